@@ -1,0 +1,5 @@
+"""The Celery application. Configuration lives in the repository's top-level celeryconfig.py."""
+from celery import Celery
+
+app = Celery("dflash_tasks")
+app.config_from_object("celeryconfig")

@@ -1,0 +1,89 @@
+"""A job: its name, generation parameters and status, stored in Redis so every worker sees a
+change at the next prompt it takes."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, fields
+
+import redis
+
+from .keys import JOBS, JobKeys, check_job_name
+
+STATUSES = ("running", "paused", "cancelled", "done")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    max_tokens: int = 8192
+    temperature: float = 0.6       # Qwen3's recommended thinking-mode sampling
+    top_p: float = 0.95
+    top_k: int | None = 20
+    enable_thinking: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1 and self.top_k != -1:
+            raise ValueError(f"top_k must be >= 1 (or -1 for all), got {self.top_k}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GenerationParams":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def replace(self, **changes) -> "GenerationParams":
+        return GenerationParams(**{**asdict(self), **{k: v for k, v in changes.items() if v is not None}})
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    name: str
+    params: GenerationParams
+    status: str
+    gpus: int
+    dataset: str
+    created_at: float
+
+    @property
+    def keys(self) -> JobKeys:
+        return JobKeys(self.name)
+
+
+def load(r: redis.Redis, name: str) -> Job | None:
+    raw = r.hgetall(JobKeys(check_job_name(name)).config)
+    if not raw:
+        return None
+    d = {k.decode(): v.decode() for k, v in raw.items()}
+    return Job(name=name, params=GenerationParams.from_dict(json.loads(d["params"])),
+               status=d.get("status", "running"), gpus=int(d.get("gpus", 1)),
+               dataset=d.get("dataset", ""), created_at=float(d.get("created_at", 0)))
+
+
+def save(r: redis.Redis, name: str, params: GenerationParams, *, gpus: int, dataset: str,
+         status: str = "running") -> Job:
+    """Create the job or update it (a resume with new parameters)."""
+    k = JobKeys(check_job_name(name))
+    pipe = r.pipeline()
+    pipe.hsetnx(k.config, "created_at", time.time())
+    pipe.hset(k.config, mapping={"params": json.dumps(asdict(params)), "gpus": gpus,
+                                 "dataset": dataset, "status": status})
+    pipe.sadd(JOBS, name)
+    pipe.execute()
+    job = load(r, name)
+    assert job is not None
+    return job
+
+
+def set_status(r: redis.Redis, name: str, status: str) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"unknown status {status!r}; one of {', '.join(STATUSES)}")
+    r.hset(JobKeys(name).config, "status", status)
+
+
+def names(r: redis.Redis) -> list[str]:
+    return sorted(m.decode() for m in r.smembers(JOBS))

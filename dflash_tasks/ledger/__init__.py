@@ -1,0 +1,99 @@
+"""The job's books in Redis: prompts, dispatch windows, done marks, counters and output rows.
+
+Each multi-step change is one Lua script beside this file, so it is atomic and reviewable on its
+own; this module only names the keys each script touches.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import redis
+
+from ..keys import JobKeys
+
+_HERE = Path(__file__).parent
+HIST_BUCKET_TOKENS = 64   # output-length histogram resolution, for percentiles without scans
+
+
+@dataclass(frozen=True, slots=True)
+class TaskState:
+    """What a generate task needs, read in one round trip."""
+    params: dict | None
+    messages: list[dict] | None
+    done: bool
+
+
+class Ledger:
+    def __init__(self, client: redis.Redis):
+        self.r = client
+        self._scripts = {name: client.register_script((_HERE / f"{name}.lua").read_text())
+                         for name in ("add_prompts", "take", "complete", "fail", "record_batch")}
+
+    # -- enqueue ---------------------------------------------------------------------------------
+
+    def add_prompts(self, job: str, prompts: Sequence[tuple[str, str]]) -> int:
+        """Store (id, messages_json) pairs not seen before and queue them; returns how many."""
+        k = JobKeys(job)
+        argv = [x for pair in prompts for x in pair]
+        return int(self._scripts["add_prompts"](keys=[k.prompts, k.pending, k.done, k.counters],
+                                                args=argv))
+
+    # -- dispatch --------------------------------------------------------------------------------
+
+    def take(self, job: str, gpu: int, window: int) -> list[str]:
+        k = JobKeys(job)
+        ids = self._scripts["take"](keys=[k.config, k.pending, k.inflight(gpu)], args=[window])
+        return [i.decode() if isinstance(i, bytes) else i for i in ids]
+
+    def task_state(self, job: str, prompt_id: str) -> TaskState:
+        k = JobKeys(job)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(k.config, "params")
+        pipe.hget(k.prompts, prompt_id)
+        pipe.sismember(k.done, prompt_id)
+        params, messages, done = pipe.execute()
+        return TaskState(params=json.loads(params) if params else None,
+                         messages=json.loads(messages) if messages else None,
+                         done=bool(done))
+
+    def drop_inflight(self, job: str, gpu: int, prompt_id: str) -> None:
+        self.r.zrem(JobKeys(job).inflight(gpu), prompt_id)
+
+    # -- outcomes --------------------------------------------------------------------------------
+
+    def complete(self, job: str, prompt_id: str, gpu: int, row: dict, *, rate_bucket_s: int = 10) -> bool:
+        """Record a finished row exactly once. False when it was a duplicate delivery."""
+        k = JobKeys(job)
+        meta = row["metadata"]
+        out = int(meta["completion_tokens"])
+        return bool(self._scripts["complete"](
+            keys=[k.done, k.inflight(gpu), k.prompts, k.failed, k.counters, k.rate, k.output],
+            args=[prompt_id, json.dumps(row, ensure_ascii=False, separators=(",", ":")),
+                  int(meta["prompt_tokens"]), out, meta["finish_reason"], gpu, rate_bucket_s,
+                  out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS]))
+
+    def fail(self, job: str, prompt_id: str, gpu: int, record: dict) -> bool:
+        k = JobKeys(job)
+        return bool(self._scripts["fail"](keys=[k.done, k.inflight(gpu), k.failed, k.counters],
+                                          args=[prompt_id, json.dumps(record)]))
+
+    def record_batch(self, job: str, name: str, record: dict) -> bool:
+        k = JobKeys(job)
+        return bool(self._scripts["record_batch"](keys=[k.manifest, k.counters],
+                                                  args=[name, json.dumps(record), record["bytes"]]))
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def counters(self, job: str) -> dict[str, int]:
+        raw = self.r.hgetall(JobKeys(job).counters)
+        return {_s(k): int(v) for k, v in raw.items()}
+
+    def done_ids(self, job: str) -> Iterable[str]:
+        return (_s(m) for m in self.r.sscan_iter(JobKeys(job).done, count=10_000))
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,31 @@
+-- Record a finished prompt exactly once: done mark, counters and output row in one atomic step,
+-- so the counters always equal what the output holds, whatever is delivered twice.
+-- KEYS: done, inflight(gpu), prompts, failed, counters, rate, output
+-- ARGV: id, row_json, input_tokens, output_tokens, finish_reason, gpu, rate_bucket_s, hist_bucket
+-- Returns 1 when recorded, 0 when the id was already done (a duplicate delivery).
+local id = ARGV[1]
+redis.call('ZREM', KEYS[2], id)
+if redis.call('SADD', KEYS[1], id) == 0 then
+  return 0
+end
+redis.call('HDEL', KEYS[3], id)
+if redis.call('HDEL', KEYS[4], id) == 1 then
+  redis.call('HINCRBY', KEYS[5], 'failed', -1)
+end
+local input_tokens, output_tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
+local gpu = 'gpu:' .. ARGV[6] .. ':'
+redis.call('HINCRBY', KEYS[5], 'completed', 1)
+redis.call('HINCRBY', KEYS[5], 'input_tokens', input_tokens)
+redis.call('HINCRBY', KEYS[5], 'output_tokens', output_tokens)
+redis.call('HINCRBY', KEYS[5], 'finish:' .. ARGV[5], 1)
+redis.call('HINCRBY', KEYS[5], 'hist:' .. ARGV[8], 1)
+redis.call('HINCRBY', KEYS[5], gpu .. 'completed', 1)
+redis.call('HINCRBY', KEYS[5], gpu .. 'output_tokens', output_tokens)
+local now = tonumber(redis.call('TIME')[1])
+local bucket = now - now % tonumber(ARGV[7])
+redis.call('HINCRBY', KEYS[6], 'c:' .. bucket, 1)
+redis.call('HINCRBY', KEYS[6], 't:' .. bucket, output_tokens)
+redis.call('HSETNX', KEYS[5], 'first_completed_at', now)
+redis.call('HSET', KEYS[5], 'last_completed_at', now)
+redis.call('XADD', KEYS[7], '*', 'id', id, 'row', ARGV[2])
+return 1

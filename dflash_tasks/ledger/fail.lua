@@ -1,0 +1,13 @@
+-- Move a prompt to the failed registry (a permanent error, or retries exhausted).
+-- KEYS: done, inflight(gpu), failed, counters     ARGV: id, record_json
+-- Returns 1 when newly failed, 0 when already done or already failed.
+local id = ARGV[1]
+redis.call('ZREM', KEYS[2], id)
+if redis.call('SISMEMBER', KEYS[1], id) == 1 then
+  return 0
+end
+if redis.call('HSET', KEYS[3], id, ARGV[2]) == 1 then
+  redis.call('HINCRBY', KEYS[4], 'failed', 1)
+  return 1
+end
+return 0

@@ -1,0 +1,186 @@
+"""One SGLang server, over HTTP: chat completions, health, model name, server info.
+
+One client per worker process, shared by its threads (httpx.Client is thread-safe), so
+connections are reused; every failure surfaces as an `errors.SGLangError` subclass.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from .errors import (BadResponse, EmptyResponse, RequestTimeout, ServerUnavailable, SGLangError,
+                     error_for_status)
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    content: str
+    reasoning_content: str | None
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+    model: str
+    latency_s: float
+    prompt_token_ids: list[int] | None = None
+    response_token_ids: list[int] | None = None
+    matched_stop: Any = None
+
+
+@dataclass
+class SGLangClient:
+    base_url: str
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float = 1800.0
+    keepalive_expiry_s: float = 4.0
+    max_connections: int = 256
+    _http: httpx.Client = field(init=False, repr=False)
+    _model: str | None = field(default=None, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.base_url = self.base_url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(self.request_timeout_s, connect=self.connect_timeout_s),
+            limits=httpx.Limits(max_connections=self.max_connections,
+                                max_keepalive_connections=self.max_connections,
+                                keepalive_expiry=self.keepalive_expiry_s),
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- probes ---------------------------------------------------------------------------------
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        """True when /health answers 200. A 503 also means 'starting' or 'busy with a long
+        prefill', so callers decide on several probes, never on one."""
+        try:
+            return self._http.get("/health", timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout_s: float, interval_s: float = 1.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.healthy():
+                return True
+            time.sleep(interval_s)
+        return False
+
+    def served_model(self) -> str:
+        """The exact served model name from /v1/models (a guessed name with ':' would be read as
+        a LoRA adapter). Cached: a server keeps its name for life."""
+        with self._lock:
+            if self._model is None:
+                data = self._get_json("/v1/models")
+                try:
+                    self._model = data["data"][0]["id"]
+                except (KeyError, IndexError, TypeError):
+                    raise BadResponse(f"/v1/models lists no model: {str(data)[:200]}",
+                                      url=self.base_url) from None
+            return self._model
+
+    def server_info(self) -> dict:
+        return self._get_json("/server_info")
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def chat(self, messages: list[dict], *, max_tokens: int, temperature: float | None = None,
+             top_p: float | None = None, top_k: int | None = None, enable_thinking: bool = True,
+             rid: str | None = None) -> Completion:
+        body: dict[str, Any] = {
+            "model": self.served_model(),
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "chat_template_kwargs": {"enable_thinking": enable_thinking},
+            "separate_reasoning": True,
+            "return_token_ids": True,
+            "stream": False,
+        }
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                            ("rid", rid)):
+            if value is not None:
+                body[name] = value
+        started = time.monotonic()
+        data = self._post_json("/v1/chat/completions", body)
+        return parse_chat(data, latency_s=time.monotonic() - started, url=self.base_url)
+
+    def abort(self, rid: str) -> None:
+        """Ask the server to stop a request we gave up on (best effort)."""
+        try:
+            self._http.post("/abort_request", json={"rid": rid}, timeout=5.0)
+        except httpx.HTTPError:
+            pass
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _get_json(self, path: str) -> Any:
+        return self._request("GET", path)
+
+    def _post_json(self, path: str, body: dict) -> Any:
+        return self._request("POST", path, json=body)
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        url = self.base_url + path
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise RequestTimeout(f"{type(exc).__name__}: no answer in time", url=url) from exc
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(f"{type(exc).__name__}: {exc}", url=url) from exc
+        if response.status_code != 200:
+            raise error_for_status(response.status_code, _error_message(response), url)
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadResponse(f"not JSON: {response.text[:200]!r}", url=url) from exc
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+        if isinstance(data, dict) and isinstance(data.get("message"), str):
+            return data["message"]
+    except ValueError:
+        pass
+    return response.text[:500] or response.reason_phrase
+
+
+def parse_chat(data: Any, *, latency_s: float, url: str = "") -> Completion:
+    """A /v1/chat/completions body (see shared/sglang-samples/chat*.json) as a Completion."""
+    if not isinstance(data, dict):
+        raise BadResponse(f"expected a JSON object, got {type(data).__name__}", url=url)
+    choices = data.get("choices")
+    if not choices:
+        raise EmptyResponse(f"response has no choices: {json.dumps(data)[:300]}", url=url)
+    try:
+        choice = choices[0]
+        message = choice["message"]
+        usage = data["usage"]
+        details = usage.get("completion_tokens_details") or {}
+        return Completion(
+            content=message.get("content") or "",
+            reasoning_content=message.get("reasoning_content"),
+            finish_reason=choice.get("finish_reason") or "unknown",
+            prompt_tokens=int(usage["prompt_tokens"]),
+            completion_tokens=int(usage["completion_tokens"]),
+            reasoning_tokens=int(details.get("reasoning_tokens") or usage.get("reasoning_tokens") or 0),
+            model=data.get("model", ""),
+            latency_s=latency_s,
+            prompt_token_ids=choice.get("prompt_token_ids"),
+            response_token_ids=choice.get("response_token_ids"),
+            matched_stop=choice.get("matched_stop"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadResponse(f"unexpected response shape ({exc!r}): {json.dumps(data)[:300]}",
+                          url=url) from exc
+
+
+__all__ = ["Completion", "SGLangClient", "SGLangError", "parse_chat"]

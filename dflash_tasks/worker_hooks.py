@@ -1,0 +1,70 @@
+"""Start-up of a GPU worker, however it was launched (`manage.py worker` or plain `celery -A
+dflash_tasks worker -Q gpu3`): wait until its SGLang server is healthy before taking work,
+register its concurrency (the dispatch window is sized from it), and fill its queue."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import time
+
+from celery import signals
+
+from .settings import get_settings, redact_url
+
+log = logging.getLogger(__name__)
+_GPU_QUEUE = re.compile(r"^gpu(\d+)$")
+HEALTH_WAIT_S = float(os.environ.get("DFLASH_HEALTH_WAIT_S", "3600"))
+
+
+def gpus_consumed(app) -> list[int]:
+    names = app.amqp.queues.consume_from or {}
+    return sorted(int(m.group(1)) for name in names if (m := _GPU_QUEUE.match(name)))
+
+
+@signals.celeryd_after_setup.connect
+def _wait_for_servers(sender, instance, conf, **_):
+    from .sglang import SGLangClient
+
+    for gpu in gpus_consumed(instance.app):
+        url = get_settings().sglang_url_for(gpu)
+        client = SGLangClient(url)
+        started = time.monotonic()
+        while not client.healthy():
+            waited = time.monotonic() - started
+            if waited > HEALTH_WAIT_S:
+                log.error("gpu%d: %s still not healthy after %.0fs; taking work anyway",
+                          gpu, redact_url(url), waited)
+                break
+            log.warning("gpu%d: waiting for SGLang at %s/health (%.0fs)", gpu, redact_url(url), waited)
+            time.sleep(2.0)
+        client.close()
+        _register(gpu, instance.concurrency, sender, url)
+
+
+def _register(gpu: int, concurrency: int, hostname: str, url: str) -> None:
+    from .connections import redis_client
+    from .keys import WORKERS, queue_for
+
+    redis_client().hset(WORKERS, queue_for(gpu), json.dumps({
+        "concurrency": concurrency, "hostname": hostname, "host": socket.gethostname(),
+        "pid": os.getpid(), "url": redact_url(url), "started_at": time.time()}))
+    log.info("gpu%d: worker %s ready, concurrency %d, server %s", gpu, hostname, concurrency,
+             redact_url(url))
+
+
+@signals.worker_ready.connect
+def _fill_queues(sender, **_):
+    from . import dispatch, jobs
+    from .connections import redis_client
+
+    gpus = gpus_consumed(sender.app)
+    r = redis_client()
+    for name in jobs.names(r):
+        job = jobs.load(r, name)
+        if job and job.status == "running":
+            for gpu in gpus:
+                if gpu < job.gpus:
+                    dispatch.topup(sender.app, name, gpu)

@@ -1,0 +1,127 @@
+"""Fixtures that start the real thing: Redis (a test database, or a server of the test's own),
+simulated SGLang servers, Celery workers and beat, each a subprocess with its own log."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from support import Proc, free_port, python, wait_until
+
+TEST_REDIS_URL = os.environ.get("DFLASH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """An empty Redis database for this test (the machine's Redis, database 15)."""
+    r = redis.Redis.from_url(TEST_REDIS_URL)
+    r.flushdb()
+    yield TEST_REDIS_URL
+    r.flushdb()
+
+
+class Cluster:
+    """A one-machine deployment: N simulated servers, one pinned worker each, and beat."""
+
+    def __init__(self, tmp: Path, redis_url: str, **settings: str):
+        self.tmp = tmp
+        self.output_dir = tmp / "output"
+        self.env = {
+            "DFLASH_REDIS_URL": redis_url,
+            "DFLASH_OUTPUT_DIR": str(self.output_dir),
+            "DFLASH_PROGRESS_INTERVAL_S": "1",
+            "DFLASH_BATCH_ROWS": "200",
+            "DFLASH_BATCH_MAX_AGE_S": "2",
+            "DFLASH_RETRY_BASE_S": "0.2",
+            "DFLASH_RETRY_CAP_S": "2",
+            **{f"DFLASH_{k.upper()}": str(v) for k, v in settings.items()},
+        }
+        self.r = redis.Redis.from_url(redis_url)
+        self.servers: dict[int, tuple[int, Proc]] = {}
+        self.workers: dict[int, Proc] = {}
+        self.beat: Proc | None = None
+        self._n = 0
+
+    def _log(self, name: str) -> Path:
+        self._n += 1
+        return self.tmp / "logs" / f"{self._n:02d}-{name}.log"
+
+    def start_server(self, gpu: int, *args: str, port: int | None = None) -> int:
+        port = port or free_port()
+        proc = Proc(python("-m", "dflash_tasks.sim", "--port", str(port), *args),
+                    self._log(f"sim{gpu}"))
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200,
+                   timeout=30, what=f"simulated server gpu{gpu} on port {port}")
+        self.servers[gpu] = (port, proc)
+        return port
+
+    def url(self, gpu: int) -> str:
+        return f"http://127.0.0.1:{self.servers[gpu][0]}"
+
+    def start_worker(self, gpu: int, *args: str) -> Proc:
+        proc = Proc(python("manage.py", "worker", "--gpu", str(gpu), "--sglang-url", self.url(gpu),
+                           *args), self._log(f"worker{gpu}"), env=self.env)
+        wait_until(lambda: self.r.hexists("dflash:workers", f"gpu{gpu}") or not proc.alive(),
+                   timeout=60, what=f"worker gpu{gpu} to register")
+        assert proc.alive(), proc.log()
+        self.workers[gpu] = proc
+        return proc
+
+    def start_beat(self) -> Proc:
+        self.beat = Proc(python("manage.py", "beat"), self._log("beat"), env=self.env)
+        return self.beat
+
+    def manage(self, *args: str, check: bool = True):
+        import subprocess
+
+        result = subprocess.run(python("manage.py", *args), env={**os.environ, **self.env},
+                                capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+        if check and result.returncode != 0:
+            raise AssertionError(f"manage.py {' '.join(args)} failed ({result.returncode}):\n"
+                                 f"{result.stdout}\n{result.stderr}")
+        return result
+
+    def status(self, job: str) -> dict:
+        return json.loads(self.manage("status", "--job", job, "--json").stdout)
+
+    def wait_done(self, job: str, timeout: float = 300) -> dict:
+        return wait_until(lambda: (s := self.status(job))["status"] == "done" and s,
+                          timeout=timeout, interval=0.5, what=f"job {job} to be done")
+
+    def rows(self, job: str) -> list[dict]:
+        from dflash_tasks.batches import read_batch, read_manifest
+        from dflash_tasks.storage import LocalStorage
+
+        storage = LocalStorage(self.output_dir)
+        manifest = read_manifest(storage, job)
+        return [row for record in manifest["batches"] for row in read_batch(storage, record)]
+
+    def stop(self) -> None:
+        for proc in [*self.workers.values(), *( [self.beat] if self.beat else []),
+                     *(p for _, p in self.servers.values())]:
+            proc.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path, redis_url):
+    clusters: list[Cluster] = []
+
+    def make(**settings) -> Cluster:
+        c = Cluster(tmp_path, redis_url, **settings)
+        clusters.append(c)
+        return c
+
+    yield make
+    for c in clusters:
+        c.stop()
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
