@@ -250,7 +250,10 @@ def test_error_bodies(fast):
     assert r.status_code == 400
     assert r.json() == {"object": "error", "param": None, "code": 400, "type": "BadRequestError",
                         "message": template.format(40960, prompt_tokens + 100000, prompt_tokens, 100000)}
-    assert fast.stats()["errors"]["bad_request"] >= 4
+    assert fast.chat("x", top_p=0).json()["message"] == "top_p must be in (0, 1], got 0."
+    r = fast.client.post("/generate", json={"text": "x", "sampling_params": {"temperature": -1}})
+    assert (r.status_code, r.json()) == (400, {"error": {"message": ERR_TEMP["message"]}})
+    assert fast.stats()["errors"]["bad_request"] >= 6
 
 
 def test_info_endpoints(fast):

@@ -93,10 +93,9 @@ class Job:
     """One generation request in the model of the GPU."""
 
     __slots__ = ("rid", "plan", "start", "budget", "completion", "finish", "cached", "arrived",
-                 "started", "prefill_s", "token_s", "waiter", "done", "cancel", "endpoint")
+                 "started", "prefill_s", "token_s", "waiter", "done", "cancel")
 
-    def __init__(self, rid: str, plan: lengths.ResponsePlan, start: int, budget: int, cached: int,
-                 endpoint: str):
+    def __init__(self, rid: str, plan: lengths.ResponsePlan, start: int, budget: int, cached: int):
         self.rid = rid
         self.plan = plan
         self.start = start  # response position the generation starts at (> 0 for continuations)
@@ -110,7 +109,6 @@ class Job:
         self.waiter: asyncio.Future | None = None
         self.done: asyncio.Future | None = None
         self.cancel: str | None = None  # "abort" or "killed" once asked to stop
-        self.endpoint = endpoint
 
     @property
     def input_tokens(self) -> int:
@@ -301,8 +299,7 @@ class SimServer:
             self.busy_slot_seconds += end - job.started
             self.service_seconds_sum += job.prefill_s + generated * job.token_s
             self._release_slot()
-        if outcome != "killed":
-            job.completion = generated
+        job.completion = generated
         return outcome
 
     def _release_slot(self) -> None:
@@ -398,8 +395,9 @@ class SimServer:
         if self.first_request_at is None:
             self.first_request_at = time.time()
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        self._count_request("chat")
+    async def _serve_generation(self, request: web.Request, endpoint: str, parse, render) -> web.StreamResponse:
+        """What both generation endpoints do: fault, parse, wait for and hold a slot, answer."""
+        self._count_request(endpoint)
         kind, v = self._draw_fault()
         if kind is not None:
             return await self._apply_fault(request, kind, v)
@@ -407,7 +405,7 @@ class SimServer:
         if refused is not None:
             return refused
         try:
-            job, params = self._parse_chat(await request.read())
+            job, params = parse(await request.read())
         except BadRequest as exc:
             self.errors[exc.kind] += 1
             return _json(exc.body, exc.status)
@@ -419,7 +417,10 @@ class SimServer:
             self.errors["queue_full"] += 1
             return _json(openai_error(503, "The request queue is full.", "503"), 503)
         self._finish(job, outcome)
-        return _json(self._chat_body(job, outcome, params))
+        return _json(render(job, outcome, params))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve_generation(request, "chat", self._parse_chat, self._chat_body)
 
     def _parse_chat(self, raw: bytes) -> tuple[Job, dict]:
         config = self.config
@@ -461,7 +462,7 @@ class SimServer:
                                      p_over_4096=config.p_over_4096, fixed_tokens=config.fixed_tokens)
         rid = data.get("rid")
         rid = rid if isinstance(rid, str) and rid else os.urandom(16).hex()
-        job = Job(rid, plan, 0, budget, self._cached_tokens(plan.key, len(prompt_ids)), "chat")
+        job = Job(rid, plan, 0, budget, self._cached_tokens(plan.key, len(prompt_ids)))
         params = {"prompt_ids": prompt_ids if data.get("return_token_ids") else None,
                   "separate": data.get("separate_reasoning", True) is not False,
                   "thinking": thinking}
@@ -495,30 +496,9 @@ class SimServer:
         }
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        self._count_request("generate")
-        kind, v = self._draw_fault()
-        if kind is not None:
-            return await self._apply_fault(request, kind, v)
-        refused = self._unavailable()
-        if refused is not None:
-            return refused
-        received = time.time()
-        try:
-            job = self._parse_generate(await request.read())
-        except BadRequest as exc:
-            self.errors[exc.kind] += 1
-            return _json(exc.body, exc.status)
-        outcome = await self._run(job)
-        if outcome == "killed":
-            self.errors["killed"] += 1
-            return self._drop(request)
-        if outcome == "queue_full":
-            self.errors["queue_full"] += 1
-            return _json(openai_error(503, "The request queue is full.", "503"), 503)
-        self._finish(job, outcome)
-        return _json(self._generate_body(job, outcome, received))
+        return await self._serve_generation(request, "generate", self._parse_generate, self._generate_body)
 
-    def _parse_generate(self, raw: bytes) -> Job:
+    def _parse_generate(self, raw: bytes) -> tuple[Job, None]:
         config = self.config
         data = _load_json(raw, "/generate", "generate_request")
         input_ids, text = data.get("input_ids"), data.get("text")
@@ -546,10 +526,9 @@ class SimServer:
                                      p_over_4096=config.p_over_4096, fixed_tokens=config.fixed_tokens)
         rid = data.get("rid")
         rid = rid if isinstance(rid, str) and rid else os.urandom(16).hex()
-        return Job(rid, plan, len(input_ids) - end, budget,
-                   self._cached_tokens(plan.key, len(input_ids)), "generate")
+        return Job(rid, plan, len(input_ids) - end, budget, self._cached_tokens(plan.key, len(input_ids))), None
 
-    def _generate_body(self, job: Job, outcome: str, received: float) -> dict:
+    def _generate_body(self, job: Job, outcome: str, _params: None) -> dict:
         layout, n, start = job.plan.layout, job.completion, job.start
         now = time.time()
         if outcome == "abort_waiting":
@@ -575,9 +554,9 @@ class SimServer:
                 "cached_tokens": job.cached,
                 "weight_versions": [{"version": "default", "start": 0, "end": n}],
                 "cached_tokens_details": {"device": job.cached, "host": 0} if job.cached else None,
-                "dp_rank": None, "e2e_latency": now - job.arrived, "request_received_ts": received,
+                "dp_rank": None, "e2e_latency": now - job.arrived, "request_received_ts": job.arrived,
                 "first_token_latency": first_token - job.arrived,
-                "api_server_dispatch_finish_ts": received, "request_finished_ts": now,
+                "api_server_dispatch_finish_ts": job.arrived, "request_finished_ts": now,
                 "decode_throughput": n / decode_s if n else 0.0,
                 "response_sent_to_client_ts": now,
             },
@@ -812,13 +791,19 @@ def _native_error(message: str) -> BadRequest:
 
 
 def _check_sampling(params: dict, native: bool = False) -> None:
-    temperature = params.get("temperature")
-    if temperature is None:
-        return
-    numeric = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-    if not numeric or not math.isfinite(temperature) or temperature < 0:
-        shown = float(temperature) if numeric else temperature
-        message = f"temperature must be a non-negative finite number, got {shown!r}."
+    """SGLang's sampling-parameter checks, for the parameters the simulation reads."""
+    message = None
+    temperature, top_p, top_k = params.get("temperature"), params.get("top_p"), params.get("top_k")
+    if temperature is not None:
+        numeric = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+        if not numeric or not math.isfinite(temperature) or temperature < 0:
+            shown = float(temperature) if numeric else temperature
+            message = f"temperature must be a non-negative finite number, got {shown!r}."
+    if message is None and top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        message = f"top_p must be in (0, 1], got {top_p!r}."
+    if message is None and top_k is not None and not (isinstance(top_k, int) and (top_k == -1 or top_k >= 1)):
+        message = f"top_k must be -1 (disable), or at least 1, got {top_k!r}."
+    if message is not None:
         raise _native_error(message) if native else BadRequest(400, openai_error(400, message, "BadRequestError"))
 
 
