@@ -2,8 +2,15 @@
 
 One asyncio process. A generation request (`/v1/chat/completions` or `/generate`) waits FIFO for
 one of `slots` decode slots, holds it for prefill + completion/decode_tps seconds (times the slow
-factor), then answers in SGLang's exact JSON shapes (see /work/shared/sglang-samples). What it
-answers is deterministic per prompt (see `lengths` and `tokens`).
+factor), then answers in SGLang's exact JSON shapes (as captured from SGLang 0.5.23; the tests
+hold the key lists and error messages). What it answers is deterministic per prompt (see `lengths`
+and `tokens`): `usage.reasoning_tokens` counts the words between `<think>` and `</think>`, and
+`completion_tokens` equals `len(response_token_ids)`, markers and `<|im_end|>` included.
+
+`/generate` with `input_ids` = a chat's prompt ids + some of its response ids continues the same
+sequence (the prompt ends at the last `<|im_start|>assistant`, plus the empty think block when
+thinking is off); a prompt seen before reports `cached_tokens` = len(input_ids) - 1, as the radix
+cache would. A continuation that starts at or past the natural end answers 0 tokens, "stop".
 
 Faults are drawn per generation request, in arrival order, from a `random.Random(seed)`: a 503
 with SGLang's JSON error body, a reset connection (the transport is aborted after a short time),
@@ -20,7 +27,11 @@ Decisions where SGLang's own behaviour was not the point:
   an empty rid or `abort_all` aborts everything;
 - `/v1/loads` omits per-rank fields at their default (zero), as SGLang 0.5.23's msgspec structs do;
 - a dropped client connection does not stop its request: it keeps its slot until done or aborted;
-- idle keep-alive connections are closed after 5 s, like SGLang's uvicorn.
+- idle keep-alive connections are closed after 5 s, like SGLang's uvicorn;
+- `/metrics` has no `sglang:max_running_requests` (0.5.23 has none): `/server_info` and
+  `/v1/loads` carry `max_running_requests`;
+- `/sim/down` keeps `/sim/stats` and the Prometheus counters (a real restart would zero the
+  latter) but empties the prefix cache.
 """
 from __future__ import annotations
 
