@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from dflash_tasks.sim import lengths, tokens
-from tests.support import Proc, free_port, python, wait_until
+from support import Proc, free_port, python, wait_until
 
 MODEL = "Qwen/Qwen3-8B"
 
