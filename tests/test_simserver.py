@@ -400,7 +400,7 @@ def classify(sim: Sim, client: httpx.Client, i: int) -> str:
 def test_fault_rates_are_as_configured_and_reproducible(tmp_path):
     args = ("--fail-503", "0.15", "--reset-rate", "0.1", "--hang-rate", "0.05", "--hang-seconds", "30",
             "--seed", "0", "--decode-tps", "1e7", "--fixed-tokens", "5")
-    timeout = httpx.Timeout(10.0, read=0.3)
+    timeout = httpx.Timeout(10.0, read=0.5)  # a hang is a read timeout; answers take milliseconds
     sim = Sim(tmp_path, *args)
     try:
         with httpx.Client(base_url=sim.url, timeout=timeout) as client:
