@@ -63,6 +63,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -137,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--gpus needs distinct non-negative indices, not {args.gpus!r}")
     if not args.simulate and not args.model_path:
         p.error("--model-path is required (or --simulate)")
+    if not args.simulate and not shutil.which(args.sglang_python):
+        p.error(f"--sglang-python {args.sglang_python!r} not found")
     args.status_file = args.status_file or args.log_dir / "launch_node.json"
     return args
 
@@ -387,17 +390,26 @@ class Launcher:
                          f"base_port={self.args.base_port} workers={'no' if self.args.no_workers else 'yes'}")
         if self.args.simulate and speculative_args(self.args):
             self.event(None, "--simulate: the --speculative-* options are ignored")
-        for s in self.servers.values():
-            self.start(s)
-        while not self.signals:
-            self.step()
-            time.sleep(TICK_S)
-        self.event(None, "shutting down: workers first, then servers")
+        try:
+            for s in self.servers.values():
+                self.start(s)
+            while not self.signals:
+                self.step()
+                time.sleep(TICK_S)
+            self.event(None, "shutting down: workers first, then servers")
+        except BaseException as exc:  # a bug or a failed start must not leave servers behind
+            self.event(None, f"error: {exc!r}; stopping everything")
+            self.signals = max(self.signals, 1)
+            self.shutdown()
+            raise
+        self.shutdown()
+        return 0
+
+    def shutdown(self) -> None:
         self.stop_all(list(self.workers.values()), self.args.worker_stop_timeout, sig_group=False)
         self.stop_all(list(self.servers.values()), self.args.server_stop_timeout, sig_group=True)
         self._probes.shutdown(wait=False, cancel_futures=True)
         self.event(None, "all stopped")
-        return 0
 
     def on_signal(self, signum, _frame) -> None:
         self.signals += 1
