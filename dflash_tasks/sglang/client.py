@@ -6,6 +6,7 @@ connections are reused; every failure surfaces as an `errors.SGLangError` subcla
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,9 @@ import httpx
 
 from .errors import (BadResponse, EmptyResponse, RequestTimeout, ServerUnavailable, SGLangError,
                      error_for_status)
+
+# httpx logs every request at INFO: at 40 requests in flight per GPU that drowns the worker log.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,40 @@
+"""`manage.py`: a thin command line over the package's modules.
+
+Each command lives in the module named in COMMANDS and is imported only when it runs, so
+`status` does not pay for aiohttp (sim-server) and a new command is one module and one line.
+"""
+from __future__ import annotations
+
+import importlib
+
+import click
+
+COMMANDS = {
+    "enqueue": "dflash_tasks.cli.run:enqueue",
+    "status": "dflash_tasks.cli.run:status",
+    "worker": "dflash_tasks.cli.processes:worker",
+    "beat": "dflash_tasks.cli.processes:beat",
+    "flower": "dflash_tasks.cli.processes:flower",
+    "sim-server": "dflash_tasks.sim.cli:sim_server",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def cli() -> None:
+    """dflash-tasks: generate DFlash drafter training data with SGLang servers and Celery."""
+
+
+def main() -> None:
+    cli(prog_name="manage.py")

@@ -1,0 +1,36 @@
+"""What every command shares: consoles, and Redis and job look-ups that fail with a clear message."""
+from __future__ import annotations
+
+import click
+import redis
+from rich.console import Console
+
+from .. import jobs
+from ..settings import get_settings, redact_url
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def redis_or_fail() -> redis.Redis:
+    from ..connections import redis_client
+
+    r = redis_client()
+    try:
+        r.ping()
+    except redis.exceptions.RedisError as exc:
+        raise click.ClickException(
+            f"cannot reach Redis at {redact_url(get_settings().redis_url)} ({exc}); "
+            "set DFLASH_REDIS_URL or start redis-server") from None
+    return r
+
+
+def job_or_fail(r: redis.Redis, name: str) -> jobs.Job:
+    try:
+        job = jobs.load(r, name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--job") from None
+    if job is None:
+        known = ", ".join(jobs.names(r)) or "none"
+        raise click.ClickException(f"no job named {name!r} (known jobs: {known})")
+    return job

@@ -1,0 +1,82 @@
+"""The long-running processes: a GPU worker, beat with its control worker, Flower."""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from ..settings import get_settings, redact_url
+from .common import err_console
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+def _exec_celery(args: list[str]) -> None:
+    """Replace this process with Celery's, so signals (TERM for a warm shutdown) reach it."""
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "celery", "-A", "dflash_tasks", *args])
+
+
+@click.command()
+@click.option("--gpu", type=click.IntRange(min=0), required=True, help="GPU index I: consumes queue gpuI.")
+@click.option("--sglang-url", help="This GPU's SGLang server [http://127.0.0.1:{30000+I}].")
+@click.option("--concurrency", type=click.IntRange(min=1),
+              help="Requests in flight [the server's max_running_requests plus a margin].")
+@click.option("--loglevel", default="INFO", show_default=True)
+def worker(gpu: int, sglang_url: str | None, concurrency: int | None, loglevel: str) -> None:
+    """A Celery worker pinned to one GPU's queue and server."""
+    from ..sglang import SGLangClient, SGLangError
+
+    if sglang_url:
+        os.environ["DFLASH_SGLANG_URL"] = sglang_url
+        get_settings.cache_clear()
+    url = get_settings().sglang_url_for(gpu)
+    if concurrency is None:
+        client = SGLangClient(url)
+        err_console.print(f"gpu{gpu}: waiting for {redact_url(url)}/health ...")
+        while not client.wait_healthy(timeout_s=60):
+            err_console.print(f"gpu{gpu}: {redact_url(url)} not healthy yet, still waiting")
+        try:
+            slots = int(client.server_info().get("max_running_requests") or 0)
+        except (SGLangError, ValueError, TypeError):
+            slots = 0
+        client.close()
+        # A few more than the decode slots, so a slot freed while a thread writes its row is
+        # taken by a request already waiting in the server's queue.
+        concurrency = slots + max(2, slots // 8) if slots else get_settings().default_concurrency
+        err_console.print(f"gpu{gpu}: server has {slots or 'unknown'} decode slots; "
+                          f"concurrency {concurrency}")
+    _exec_celery(["worker", "-Q", f"gpu{gpu}", "-n", f"gpu{gpu}@%h", "-P", "threads",
+                  "-c", str(concurrency), "-E", "--without-gossip", "--without-mingle",
+                  "--loglevel", loglevel])
+
+
+@click.command()
+@click.option("--loglevel", default="INFO", show_default=True)
+def beat(loglevel: str) -> None:
+    """Celery beat with a small worker for its `control` queue (progress.json, batches, refills).
+    Run one per deployment; a second one by mistake corrupts nothing (locks, idempotent ticks)."""
+    schedule = get_settings().output_dir / "celerybeat-schedule"
+    schedule.parent.mkdir(parents=True, exist_ok=True)
+    _exec_celery(["worker", "-B", "-s", str(schedule), "-Q", "control", "-n", "control@%h",
+                  "-P", "threads", "-c", "4", "-E", "--without-gossip", "--without-mingle",
+                  "--loglevel", loglevel])
+
+
+@click.command()
+@click.option("--port", type=int, default=5555, show_default=True)
+@click.option("--address", default="127.0.0.1", show_default=True)
+@click.option("--no-auth", is_flag=True, help="Serve without authentication (a trusted network only).")
+def flower(port: int, address: str, no_auth: bool) -> None:
+    """Flower, the Celery web UI, against the broker, with basic auth from
+    DFLASH_FLOWER_BASIC_AUTH (user:password[,user2:password2])."""
+    credentials = os.environ.get("DFLASH_FLOWER_BASIC_AUTH", "")
+    if not credentials and not no_auth:
+        raise click.UsageError("set DFLASH_FLOWER_BASIC_AUTH=user:password, or pass --no-auth "
+                               "explicitly to serve Flower without authentication")
+    if credentials:
+        # Through Flower's environment, not its argv: a password on a command line shows in ps.
+        os.environ["FLOWER_BASIC_AUTH"] = credentials
+    _exec_celery(["flower", f"--port={port}", f"--address={address}",
+                  f"--max_tasks={10_000}", "--persistent=False"])
