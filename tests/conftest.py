@@ -12,15 +12,30 @@ import redis
 
 from support import Proc, free_port, python, wait_until
 
-TEST_REDIS_URL = os.environ.get("DFLASH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> str:
+    """A redis-server of this test session's own on a free port: tests never touch the
+    machine's Redis, and two test runs on one machine never see each other's queues.
+    DFLASH_TEST_REDIS_URL points the tests at an existing server instead."""
+    if url := os.environ.get("DFLASH_TEST_REDIS_URL"):
+        yield url
+        return
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = Proc(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(workdir)], workdir / "redis.log")
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_until(lambda: redis.Redis.from_url(url).ping(), timeout=20, what="the test redis-server")
+    yield url
+    proc.stop()
 
 
 @pytest.fixture
-def redis_url() -> str:
-    """An empty Redis database for this test (the machine's Redis, database 15)."""
-    r = redis.Redis.from_url(TEST_REDIS_URL)
+def redis_url(redis_server) -> str:
+    """An empty Redis database for this test."""
+    r = redis.Redis.from_url(redis_server)
     r.flushdb()
-    yield TEST_REDIS_URL
+    yield redis_server
     r.flushdb()
 
 
