@@ -1,0 +1,106 @@
+"""A whole deployment on one machine, as real processes: Redis (if asked), simulated SGLang
+servers, one pinned worker each, and beat. The demo and the benchmarks run on it."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, check: Callable[[], object], timeout: float = 60.0, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if value := check():
+                return value
+        except Exception:  # a service still starting refuses connections
+            pass
+        time.sleep(interval)
+    raise TimeoutError(f"{what} did not happen within {timeout:.0f}s")
+
+
+class LocalCluster:
+    def __init__(self, logs: Path, env: dict[str, str] | None = None):
+        self.logs = logs
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.children: list[subprocess.Popen] = []
+        self.server_urls: list[str] = []
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "ab")
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env,
+                                start_new_session=True)
+        self.children.append(proc)
+        return proc
+
+    def start_redis(self, port: int, data_dir: Path, appendonly: bool = True) -> str:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.spawn("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", str(data_dir), "--save", "",
+                             "--appendonly", "yes" if appendonly else "no"])
+        url = f"redis://127.0.0.1:{port}/0"
+        wait_for("redis-server", redis.Redis.from_url(url).ping)
+        self.env["DFLASH_REDIS_URL"] = url
+        return url
+
+    def start_servers(self, n: int, sim_args: list[str], ports: list[int] | None = None) -> list[str]:
+        for gpu in range(n):
+            port = ports[gpu] if ports else free_port()
+            self.spawn(f"sim{gpu}", [sys.executable, "manage.py", "sim-server", "--port", str(port),
+                                     *sim_args])
+            url = f"http://127.0.0.1:{port}"
+            wait_for(f"simulated server gpu{gpu}",
+                     lambda: httpx.get(url + "/health").status_code == 200)
+            self.server_urls.append(url)
+        return self.server_urls
+
+    def start_workers(self) -> None:
+        r = redis.Redis.from_url(self.env["DFLASH_REDIS_URL"])
+        gpus = range(len(self.server_urls))
+        r.hdel("dflash:workers", *[f"gpu{gpu}" for gpu in gpus])
+        for gpu, url in enumerate(self.server_urls):
+            self.spawn(f"worker{gpu}", [sys.executable, "manage.py", "worker", "--gpu", str(gpu),
+                                        "--sglang-url", url])
+        for gpu in gpus:
+            wait_for(f"worker gpu{gpu}", lambda: r.hexists("dflash:workers", f"gpu{gpu}"))
+
+    def start_beat(self) -> None:
+        self.spawn("beat", [sys.executable, "manage.py", "beat"])
+
+    def manage(self, *args: str, capture: bool = False) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env,
+                              check=True, capture_output=capture, text=True)
+
+    def stop(self) -> None:
+        """Workers and beat first (a warm shutdown), then servers, Redis last."""
+        for proc in reversed(self.children):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
