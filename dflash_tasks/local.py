@@ -100,6 +100,9 @@ class LocalCluster:
                     proc.wait()
 
     def __enter__(self) -> "LocalCluster":
+        # Children run in sessions of their own (a terminal's Ctrl-C must not reach them before
+        # the workers' orderly stop), so a SIGTERM to us must still stop them: make it an exit.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         return self
 
     def __exit__(self, *exc) -> None:
