@@ -51,6 +51,23 @@ class Settings(BaseSettings):
     progress_interval_s: float = Field(5.0, description="beat period of progress.json and batches")
     rate_window_s: float = 300.0
 
+    # S3 (on when s3_uri is set). Credentials, region, endpoint (AWS_ENDPOINT_URL) and retries
+    # (AWS_MAX_ATTEMPTS) come from boto3's standard chain, never from here. Objects at or above
+    # the threshold go up as parallel multipart uploads of this part size.
+    s3_multipart_threshold_bytes: int = 8 * 1024 * 1024
+    s3_multipart_chunk_bytes: int = 8 * 1024 * 1024
+    s3_max_concurrency: int = 4
+    s3_connect_timeout_s: float = 10.0
+    s3_read_timeout_s: float = 60.0
+
+    # Beat's per-job locks (tick, batch sealing) expire this long after their holder stops
+    # renewing them (a beat killed mid-tick); a live holder renews them every third of it.
+    lock_ttl_s: float = 60.0
+
+    # A GPU worker refreshes its heartbeat this often; progress.json calls it alive while the
+    # last one is under three periods old.
+    worker_heartbeat_s: float = 5.0
+
     # A prompt dispatched this long ago and still not done has lost its message (a broker restart
     # without persistence): the reaper dispatches it again. Longer than the visibility timeout, so
     # Celery's own redelivery goes first.
