@@ -79,3 +79,11 @@ class JobKeys:
     @property
     def flush_lock(self) -> str:  # string with TTL: one batch writer at a time
         return self._k("lock:flush")
+
+    @property
+    def tick_lock(self) -> str:   # string with TTL: one beat tick (seal + progress.json) at a time
+        return self._k("lock:tick")
+
+    @property
+    def storage_error(self) -> str:  # hash: error, since, last_at, failures (while storage fails)
+        return self._k("storage_error")

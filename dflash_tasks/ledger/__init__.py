@@ -80,10 +80,12 @@ class Ledger:
         return bool(self._scripts["fail"](keys=[k.done, k.inflight(gpu), k.failed, k.counters],
                                           args=[prompt_id, json.dumps(record)]))
 
-    def record_batch(self, job: str, name: str, record: dict) -> bool:
+    def record_batch(self, job: str, name: str, record: dict, stats: dict[str, int] | None = None) -> bool:
+        """Enter a batch in the manifest; `stats` (counter -> increment) is added with it, once."""
         k = JobKeys(job)
+        extra = [x for field, inc in (stats or {}).items() for x in (field, int(inc))]
         return bool(self._scripts["record_batch"](keys=[k.manifest, k.counters],
-                                                  args=[name, json.dumps(record), record["bytes"]]))
+                                                  args=[name, json.dumps(record), record["bytes"], *extra]))
 
     # -- reading ---------------------------------------------------------------------------------
 
