@@ -11,6 +11,7 @@ from dataclasses import dataclass
 PREFIX = "dflash"
 JOBS = f"{PREFIX}:jobs"          # set: every job name ever enqueued
 WORKERS = f"{PREFIX}:workers"    # hash: "gpu3" -> JSON {concurrency, hostname, url, seen_at}
+WORKERS_SEEN = f"{PREFIX}:workers:seen"  # hash: "gpu3" -> Redis time of the worker's last heartbeat
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 

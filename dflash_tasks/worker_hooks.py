@@ -53,6 +53,16 @@ def _register(gpu: int, concurrency: int, hostname: str, url: str) -> None:
         "pid": os.getpid(), "url": redact_url(url), "started_at": time.time()}))
     log.info("gpu%d: worker %s ready, concurrency %d, server %s", gpu, hostname, concurrency,
              redact_url(url))
+    from . import heartbeat
+
+    heartbeat.start(gpu)  # progress.json's per-GPU "alive"
+
+
+@signals.worker_shutdown.connect
+def _stop_heartbeats(**_):
+    from . import heartbeat
+
+    heartbeat.stop_all()
 
 
 @signals.worker_ready.connect
