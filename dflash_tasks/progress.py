@@ -1,5 +1,13 @@
 """The run's state in figures, from counters only, so it costs the same at 1,000,000 prompts as
-at 1,000. progress.json, `manage.py status` and the demo all print this one dictionary."""
+at 1,000: one HGETALL of the job's counters (bounded: totals, finish reasons, histograms, per
+GPU), one HMGET of the rate buckets in the window, and a few O(1) reads. progress.json,
+`manage.py status` and the demo all print this one dictionary; docs/PROGRESS_AND_S3.md
+documents every field.
+
+Where SGLang's `bench_serving` has a name for a figure, the figure carries that name too
+(request_throughput, input_throughput, output_throughput, *_e2e_latency_ms), so a run can be set
+beside a benchmark of the same server.
+"""
 from __future__ import annotations
 
 import json
@@ -8,14 +16,40 @@ import time
 import redis
 
 from . import jobs
-from .keys import WORKERS, JobKeys
+from .batches import latency_bucket_ms
+from .keys import WORKERS, WORKERS_SEEN, JobKeys
+from .ledger import HIST_BUCKET_TOKENS
 from .settings import Settings
 
 RATE_BUCKET_S = 10  # the ledger's completion buckets (complete.lua)
+ALIVE_PERIODS = 3   # a GPU worker is alive while its heartbeat is under this many periods old
 
 
 def _int(raw: dict, key: str) -> int:
     return int(raw.get(key, 0))
+
+
+def _percentile(hist: dict[int, int], q: float) -> int | None:
+    """The bucket holding the q-quantile of a histogram {bucket: count}."""
+    n = sum(hist.values())
+    if not n:
+        return None
+    rank, seen = q * n, 0
+    for bucket in sorted(hist):
+        seen += hist[bucket]
+        if seen >= rank:
+            return bucket
+    return max(hist)
+
+
+def _hist(c: dict[str, int], prefix: str) -> dict[int, int]:
+    return {int(key[len(prefix):]): v for key, v in c.items() if key.startswith(prefix) and v > 0}
+
+
+def rate_fields(bucket: int, gpus: int) -> list[str]:
+    """Every field complete.lua writes into the rate hash for one bucket."""
+    return [f"c:{bucket}", f"t:{bucket}", f"i:{bucket}",
+            *(f"g{gpu}:{kind}:{bucket}" for gpu in range(gpus) for kind in ("c", "t"))]
 
 
 def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
@@ -23,32 +57,81 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
     if job is None:
         raise KeyError(f"no job named {name!r}")
     k = job.keys
-    now = float(r.time()[0])
+    seconds, micros = r.time()
+    now = seconds + micros / 1e6
     window_start = now - s.rate_window_s
     buckets = list(range(int(window_start - window_start % RATE_BUCKET_S), int(now) + 1, RATE_BUCKET_S))
+    nb = len(buckets)
+    rate_keys = ([f"c:{b}" for b in buckets] + [f"t:{b}" for b in buckets] + [f"i:{b}" for b in buckets]
+                 + [f"g{gpu}:{kind}:{b}" for gpu in range(job.gpus) for kind in ("c", "t") for b in buckets])
 
     pipe = r.pipeline(transaction=False)
     pipe.hgetall(k.counters)
     pipe.llen(k.pending)
     pipe.xlen(k.output)
-    pipe.hmget(k.rate, [f"c:{b}" for b in buckets] + [f"t:{b}" for b in buckets])
+    pipe.hmget(k.rate, rate_keys)
     pipe.hgetall(WORKERS)
+    pipe.get(k.sealing)
+    pipe.hgetall(k.storage_error)
+    pipe.hgetall(WORKERS_SEEN)
     for gpu in range(job.gpus):
         pipe.zcard(k.inflight(gpu))
-    counters_raw, pending, unsealed, rate_raw, workers_raw, *inflight = pipe.execute()
+    (counters_raw, pending, unsealed, rate_raw, workers_raw, sealing, storage_error, seen_raw,
+     *inflight) = pipe.execute()
+    seen = {key.decode(): float(v) for key, v in seen_raw.items()}
 
     c = {key.decode(): int(v) for key, v in counters_raw.items()}
     total, completed, failed = _int(c, "total"), _int(c, "completed"), _int(c, "failed")
-    out_tokens = _int(c, "output_tokens")
-    rate_values = [int(v or 0) for v in rate_raw]
-    recent_done, recent_tokens = sum(rate_values[:len(buckets)]), sum(rate_values[len(buckets):])
+    in_tokens, out_tokens = _int(c, "input_tokens"), _int(c, "output_tokens")
+    rv = [int(v or 0) for v in rate_raw]
+
+    def window_sum(i: int) -> int:  # the i-th run of nb bucket values in rate_keys
+        return sum(rv[i * nb:(i + 1) * nb])
+
     first_done = c.get("first_completed_at")
-    span = now - max(buckets[0], first_done - first_done % RATE_BUCKET_S) if first_done else 0
-    rate = recent_done / span if span > 0 else 0.0
-    tokens_rate = recent_tokens / span if span > 0 else 0.0
+    span = now - max(buckets[0], first_done - first_done % RATE_BUCKET_S) if first_done else 0.0
+
+    def per_s(count: int) -> float:
+        return count / span if span > 0 else 0.0
+
+    rate = per_s(window_sum(0))
+    out_rate, in_rate = per_s(window_sum(1)), per_s(window_sum(2))
     remaining = max(0, total - completed - failed)
     finish_reasons = {key.split(":", 1)[1]: v for key, v in c.items() if key.startswith("finish:")}
     workers = {key.decode(): json.loads(v) for key, v in workers_raw.items()}
+
+    out_hist = _hist(c, "hist:")
+    lat_hist = _hist(c, "lat:")
+    lat_n = _int(c, "latency_n")
+
+    def lat_pct(q: float) -> float | None:
+        b = _percentile(lat_hist, q)
+        return round(latency_bucket_ms(b), 1) if b is not None else None
+
+    def out_pct(q: float) -> int | None:
+        b = _percentile(out_hist, q)
+        # The bucket's middle, but never above the cap (truncated outputs sit at the cap).
+        return min(b + HIST_BUCKET_TOKENS // 2, job.params.max_tokens) if b is not None else None
+
+    err = {key.decode(): v.decode() for key, v in storage_error.items()}
+    gpus = {}
+    for gpu in range(job.gpus):
+        base = 3 + 2 * gpu
+        g_rate, g_tokens = per_s(window_sum(base)), per_s(window_sum(base + 1))
+        beat = seen.get(f"gpu{gpu}")
+        age = round(now - beat, 1) if beat is not None else None
+        gpus[f"gpu{gpu}"] = {
+            "completed": _int(c, f"gpu:{gpu}:completed"),
+            "output_tokens": _int(c, f"gpu:{gpu}:output_tokens"),
+            "request_throughput": round(g_rate, 3),
+            "output_tokens_per_sec": round(g_tokens, 1),
+            "output_throughput": round(g_tokens, 1),
+            "in_flight": inflight[gpu],
+            "retries": _int(c, f"gpu:{gpu}:retries"),
+            "worker": workers.get(f"gpu{gpu}", {}).get("hostname"),
+            "alive": age is not None and age < ALIVE_PERIODS * s.worker_heartbeat_s,
+            "heartbeat_age_s": age,
+        }
 
     return {
         "job": name,
@@ -59,33 +142,43 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
         "pending": pending,
         "in_flight": sum(inflight),
         "remaining": remaining,
+        "retries": _int(c, "retries"),
+        "retry_reasons": {key.split(":", 1)[1]: v for key, v in c.items() if key.startswith("retry:")},
         "rate_per_sec": round(rate, 3),
         "request_throughput": round(rate, 3),
-        "output_tokens_per_sec": round(tokens_rate, 1),
-        "output_throughput": round(tokens_rate, 1),
+        "output_tokens_per_sec": round(out_rate, 1),
+        "output_throughput": round(out_rate, 1),
+        "input_throughput": round(in_rate, 1),
+        "rate_window_s": s.rate_window_s,
         "eta_hours": round(remaining / rate / 3600, 3) if rate > 0 else None,
         "elapsed_hours": round((now - job.created_at) / 3600, 4),
-        "total_input_tokens": _int(c, "input_tokens"),
+        "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        "avg_input_tokens": round(in_tokens / completed, 1) if completed else 0.0,
         "avg_output_tokens": round(out_tokens / completed, 1) if completed else 0.0,
+        "median_output_tokens": out_pct(0.5),
+        "p90_output_tokens": out_pct(0.9),
+        "short_output_pct": round(100 * out_hist.get(0, 0) / completed, 2) if completed else 0.0,
         "finish_reasons": finish_reasons,
         "truncated_pct": round(100 * finish_reasons.get("length", 0) / completed, 2) if completed else 0.0,
+        "mean_e2e_latency_ms": round(_int(c, "latency_ms_sum") / lat_n, 1) if lat_n else None,
+        "median_e2e_latency_ms": lat_pct(0.5),
+        "p90_e2e_latency_ms": lat_pct(0.9),
+        "p99_e2e_latency_ms": lat_pct(0.99),
+        "latency_rows": lat_n,
         "batches": _int(c, "batches"),
         "batch_bytes": _int(c, "batch_bytes"),
-        "s3_uploaded": _int(c, "batches") if s.s3_uri else 0,
-        "s3_bytes": _int(c, "batch_bytes") if s.s3_uri else 0,
+        "s3_uploaded": _int(c, "s3_uploaded"),
+        "s3_bytes": _int(c, "s3_bytes"),
+        "s3_uri": s.s3_uri,
         "unsealed_rows": unsealed,
+        "sealing_batch": json.loads(sealing)["name"] if sealing else None,
+        "storage_error": ({"error": err.get("error"), "since": float(err.get("since", 0)),
+                           "failures": int(err.get("failures", 0))} if err else None),
         "params": {"max_tokens": job.params.max_tokens, "temperature": job.params.temperature,
                    "top_p": job.params.top_p, "top_k": job.params.top_k,
                    "enable_thinking": job.params.enable_thinking},
-        "gpus": {
-            f"gpu{gpu}": {
-                "completed": _int(c, f"gpu:{gpu}:completed"),
-                "output_tokens": _int(c, f"gpu:{gpu}:output_tokens"),
-                "in_flight": inflight[gpu],
-                "worker": workers.get(f"gpu{gpu}", {}).get("hostname"),
-            } for gpu in range(job.gpus)
-        },
+        "gpus": gpus,
         "updated_at": round(time.time(), 3),
     }
 
@@ -93,4 +186,30 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
 def is_finished(snap: dict) -> bool:
     """Every prompt has an outcome and every row is sealed into a batch."""
     return (snap["total"] > 0 and snap["completed"] + snap["failed"] >= snap["total"]
-            and snap["pending"] == 0 and snap["unsealed_rows"] == 0)
+            and snap["pending"] == 0 and snap["unsealed_rows"] == 0
+            and snap.get("sealing_batch") is None)
+
+
+def prune_rate(r: redis.Redis, name: str, gpus: int, keep_s: float) -> int:
+    """Delete the rate buckets older than keep_s, so the rate hash stays small in a run of
+    days. Walks only the buckets since the last prune (idempotent: two beats may both run it)."""
+    k = JobKeys(name)
+    seconds, _ = r.time()
+    cutoff = int(seconds - keep_s)
+    cutoff -= cutoff % RATE_BUCKET_S
+    start = r.hget(k.rate, "pruned_before") or r.hget(k.counters, "first_completed_at")
+    if start is None:
+        return 0
+    start = int(start) - int(start) % RATE_BUCKET_S
+    deleted = 0
+    fields: list[str] = []
+    for bucket in range(start, cutoff, RATE_BUCKET_S):
+        fields.extend(rate_fields(bucket, gpus))
+        if len(fields) >= 2000:
+            deleted += r.hdel(k.rate, *fields)
+            fields = []
+    if fields:
+        deleted += r.hdel(k.rate, *fields)
+    if cutoff > start:
+        r.hset(k.rate, "pruned_before", cutoff)
+    return deleted

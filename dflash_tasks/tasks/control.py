@@ -4,37 +4,101 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 from .. import dispatch, jobs
-from ..batches import BatchPolicy, BatchWriter
+from ..batches import BatchPolicy, BatchWriter, progress_key
 from ..celery_app import app
 from ..connections import ledger, redis_client
-from ..progress import is_finished, snapshot
+from ..keys import JobKeys
+from ..locks import HeldLock, LockLost
+from ..progress import is_finished, prune_rate, snapshot
 from ..settings import get_settings
-from ..storage import storage_for
+from ..storage import LocalStorage, StorageError, storage_for
 
 log = logging.getLogger(__name__)
 ACTIVE = ("running", "paused")
+STORAGE_WARN_EVERY_S = 300  # while storage keeps failing, one warning per this many seconds
 
 
 def batch_writer() -> BatchWriter:
     s = get_settings()
-    return BatchWriter(redis_client(), ledger(), storage_for(s), BatchPolicy.from_settings(s))
+    return BatchWriter(redis_client(), ledger(), storage_for(s), BatchPolicy.from_settings(s),
+                       lock_ttl_s=s.lock_ttl_s)
 
 
-def tick_job(name: str) -> dict:
-    """Seal what is ready, mark the job done when everything is sealed, write progress.json."""
+def tick_job(name: str) -> dict | None:
+    """Seal and ship what is ready, mark the job done when everything is shipped, and write
+    progress.json (always to the output directory, and beside the batches when that is S3).
+    One tick per job at a time (a lock), so a second beat started by mistake only skips; a
+    storage failure is logged once, shown in progress.json, and retried at the next tick.
+    Returns the snapshot written, or None when another tick holds the job."""
     r, s = redis_client(), get_settings()
-    snap = snapshot(r, name, s)
-    all_answered = snap["completed"] + snap["failed"] >= snap["total"] and snap["pending"] == 0
-    batch_writer().flush(name, final=all_answered)
-    snap = snapshot(r, name, s)
-    if snap["status"] == "running" and is_finished(snap):
-        jobs.set_status(r, name, "done")
-        snap["status"] = "done"
-        log.info("job %s: done, %d completed, %d failed", name, snap["completed"], snap["failed"])
-    storage_for(s).put(f"{name}/progress.json", json.dumps(snap, indent=1).encode())
+    lock = HeldLock(r, JobKeys(name).tick_lock, s.lock_ttl_s)
+    if not lock.acquire():
+        log.debug("job %s: another tick is running; skipped", name)
+        return None
+    with lock:
+        storage = storage_for(s)
+        remote = getattr(storage, "is_remote", False)
+        snap = snapshot(r, name, s)
+        all_answered = snap["completed"] + snap["failed"] >= snap["total"] and snap["pending"] == 0
+        # The error state changes only on evidence: a failed write sets it, a write that went
+        # through clears it (a tick with nothing to seal proves nothing).
+        try:
+            if batch_writer().flush(name, final=all_answered):
+                _storage_state(r, name, None, snap["unsealed_rows"])
+        except (StorageError, OSError) as exc:
+            _storage_state(r, name, exc, snap["unsealed_rows"])
+        prune_rate(r, name, len(snap["gpus"]), keep_s=2 * s.rate_window_s + 60)
+        snap = snapshot(r, name, s)
+        finished = snap["status"] == "running" and is_finished(snap)
+        if finished:
+            snap["status"] = "done"
+        body = json.dumps(snap, indent=1).encode()
+        lock.still_held()
+        LocalStorage(s.output_dir).put(progress_key(name), body)
+        shipped = not remote
+        if remote and not (snap["storage_error"] and snap["unsealed_rows"]):
+            try:
+                storage.put(progress_key(name), body)
+                shipped = True
+                _storage_state(r, name, None, snap["unsealed_rows"])
+            except StorageError as exc:
+                _storage_state(r, name, exc, snap["unsealed_rows"])
+        # Done only once the final progress.json is beside the batches: a done job has no more
+        # ticks, so a failed last upload is retried by staying "running" one more tick.
+        if finished and shipped and snap["storage_error"] is None:
+            jobs.set_status(r, name, "done")
+            log.info("job %s: done, %d completed, %d failed", name, snap["completed"], snap["failed"])
     return snap
+
+
+def _storage_state(r, name: str, error: Exception | None, backlog: int) -> None:
+    """Keep `storage_error` (shown in progress.json) and log a failure once when it starts, then
+    once every STORAGE_WARN_EVERY_S while it lasts: no traceback every few seconds."""
+    k = JobKeys(name).storage_error
+    now = time.time()
+    prev = {key.decode(): v.decode() for key, v in r.hgetall(k).items()}
+    if error is None:
+        if prev:
+            r.delete(k)
+            log.warning("job %s: storage works again after %.0fs (%s failed ticks); uploading "
+                        "the %d rows that waited", name, now - float(prev.get("since", now)),
+                        prev.get("failures", "?"), backlog)
+        return
+    message = str(error)[:1000]
+    warn = (not prev or prev.get("error") != message
+            or now - float(prev.get("warned_at", 0)) >= STORAGE_WARN_EVERY_S)
+    pipe = r.pipeline()
+    pipe.hsetnx(k, "since", now)
+    pipe.hset(k, mapping={"error": message, "last_at": now, **({"warned_at": now} if warn else {})})
+    pipe.hincrby(k, "failures", 1)
+    pipe.execute()
+    if warn:
+        since = float(prev.get("since", now))
+        log.warning("job %s: storage failing%s: %s; %d rows wait in Redis and are retried every "
+                    "tick", name, f" for {now - since:.0f}s" if prev else "", message, backlog)
 
 
 @app.task(name="dflash_tasks.tick", ignore_result=True)
@@ -43,7 +107,12 @@ def tick() -> None:
     for name in jobs.names(r):
         job = jobs.load(r, name)
         if job and job.status in ACTIVE:
-            tick_job(name)
+            try:
+                tick_job(name)
+            except LockLost as exc:
+                log.warning("job %s: tick stopped: %s", name, exc)
+            except Exception:  # one job's trouble must not stop the others' progress.json
+                log.exception("job %s: tick failed", name)
 
 
 @app.task(name="dflash_tasks.maintain", ignore_result=True)
