@@ -12,6 +12,7 @@ import click
 COMMANDS = {
     "enqueue": "dflash_tasks.cli.run:enqueue",
     "status": "dflash_tasks.cli.run:status",
+    "export": "dflash_tasks.cli.output:export",
     "worker": "dflash_tasks.cli.processes:worker",
     "beat": "dflash_tasks.cli.processes:beat",
     "flower": "dflash_tasks.cli.processes:flower",
