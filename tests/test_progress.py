@@ -1,0 +1,240 @@
+"""progress.json: its figures checked against the ledger and the rows shipped, its rate over a
+recent window, its cost independent of the job's size, and per-GPU liveness from heartbeats."""
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+
+import pytest
+import redis as redis_lib
+
+from support import wait_until
+from test_pipeline import SIM_ARGS, dataset
+
+from dflash_tasks import jobs
+from dflash_tasks.keys import JobKeys
+
+REQUIRED = ("total", "completed", "failed", "rate_per_sec", "eta_hours", "total_input_tokens",
+            "total_output_tokens", "avg_output_tokens", "elapsed_hours", "s3_uploaded", "s3_bytes",
+            "status", "output_tokens_per_sec", "pending", "in_flight", "retries", "finish_reasons",
+            "truncated_pct", "gpus", "request_throughput", "input_throughput", "output_throughput",
+            "mean_e2e_latency_ms", "median_e2e_latency_ms", "p90_e2e_latency_ms", "p99_e2e_latency_ms")
+PER_GPU = ("completed", "output_tokens_per_sec", "output_throughput", "request_throughput",
+           "in_flight", "alive", "worker", "heartbeat_age_s")
+
+
+# -- end to end ----------------------------------------------------------------------------------
+
+def test_progress_json_matches_the_ledger_and_the_rows(cluster, tmp_path):
+    c = cluster(batch_rows=150, rate_window_s=60, worker_heartbeat_s=1)
+    for gpu in (0, 1):
+        c.start_server(gpu, *SIM_ARGS)
+        c.start_worker(gpu)
+    c.start_beat()
+    path, ids = dataset(tmp_path, 600)
+    c.manage("enqueue", "--dataset", str(path), "--job", "prog", "--gpus", "2",
+             "--max-output-tokens", "4096")
+    progress = c.output_dir / "prog" / "progress.json"
+
+    # While it runs: a rate, an ETA, work in flight, both workers alive.
+    def running_snapshot():
+        if not progress.exists():
+            return None
+        snap = json.loads(progress.read_text())
+        return (snap["status"] == "running" and 0 < snap["completed"] < 600 and snap["rate_per_sec"] > 0
+                and snap["eta_hours"] is not None and snap["in_flight"] > 0 and snap) or None
+
+    live = wait_until(running_snapshot, timeout=120, interval=0.2, what="a running progress.json")
+    for field in REQUIRED:
+        assert field in live, field
+    assert live["total"] == 600 and live["request_throughput"] == live["rate_per_sec"]
+    assert live["output_tokens_per_sec"] > 0 and live["input_throughput"] > 0
+    assert live["eta_hours"] == pytest.approx(
+        (600 - live["completed"] - live["failed"]) / live["rate_per_sec"] / 3600, rel=0.01, abs=1e-3)
+    assert set(live["gpus"]) == {"gpu0", "gpu1"}
+    for g in live["gpus"].values():
+        for field in PER_GPU:
+            assert field in g, field
+        assert g["alive"] is True and g["worker"]
+
+    c.wait_done("prog")
+    final = json.loads(progress.read_text())
+    rows = c.rows("prog")
+    assert len(rows) == 600 and {r["id"] for r in rows} == ids
+    meta = [r["metadata"] for r in rows]
+    out_tokens = sum(m["completion_tokens"] for m in meta)
+    reasons = Counter(m["finish_reason"] for m in meta)
+    ledger = {k.decode(): int(v) for k, v in c.r.hgetall(JobKeys("prog").counters).items()}
+    assert final["status"] == "done"
+    assert final["total"] == final["completed"] == ledger["completed"] == 600
+    assert final["failed"] == ledger.get("failed", 0) == 0
+    assert final["pending"] == 0 and final["in_flight"] == 0 and final["unsealed_rows"] == 0
+    assert final["total_input_tokens"] == ledger["input_tokens"] == sum(m["prompt_tokens"] for m in meta)
+    assert final["total_output_tokens"] == ledger["output_tokens"] == out_tokens
+    assert final["avg_output_tokens"] == round(out_tokens / 600, 1)
+    assert final["finish_reasons"] == dict(reasons)
+    assert final["truncated_pct"] == round(100 * reasons["length"] / 600, 2) > 0
+    assert final["retries"] == ledger.get("retries", 0)
+    assert final["s3_uploaded"] == final["s3_bytes"] == 0  # no S3 configured
+    assert final["batches"] == ledger["batches"] == 4
+    assert final["elapsed_hours"] > 0
+    for gpu in (0, 1):
+        assert final["gpus"][f"gpu{gpu}"]["completed"] == sum(1 for m in meta if m["gpu"] == gpu)
+    # Latency, as SGLang's bench_serving names it, over every sealed row.
+    latencies = [m["latency_s"] * 1000 for m in meta]
+    assert final["latency_rows"] == 600
+    assert final["mean_e2e_latency_ms"] == pytest.approx(statistics.mean(latencies), abs=1)
+    assert final["median_e2e_latency_ms"] == pytest.approx(statistics.median(latencies), rel=0.13)
+    assert final["p99_e2e_latency_ms"] >= final["p90_e2e_latency_ms"] >= final["median_e2e_latency_ms"]
+    # `manage.py status --json` prints the same dictionary.
+    assert set(c.status("prog")) == set(final)
+
+    # A worker killed stops its heartbeat: alive turns false within three periods.
+    c.workers[1].kill()
+    wait_until(lambda: c.status("prog")["gpus"]["gpu1"]["alive"] is False, timeout=30,
+               what="gpu1 to read as not alive")
+    assert c.status("prog")["gpus"]["gpu0"]["alive"] is True
+    # A worker stopped cleanly removes its stamp at once.
+    c.workers[0].stop()
+    assert c.status("prog")["gpus"]["gpu0"]["alive"] is False
+
+
+# -- in process, against the test database ---------------------------------------------------------
+
+def _row(i: int, gpu: int, out: int, latency_s: float, reason: str = "stop") -> dict:
+    return {"id": f"p{i}", "conversations": [], "status": "success", "metadata": {
+        "finish_reason": reason, "prompt_tokens": 10, "completion_tokens": out, "gpu": gpu,
+        "latency_s": latency_s, "attempts": 1, "completed_at": 1_700_000_000 + i}}
+
+
+@pytest.fixture
+def r(redis_url):
+    return redis_lib.Redis.from_url(redis_url)
+
+
+def _job(r, name: str, n: int, gpus: int = 2):
+    from dflash_tasks.ledger import Ledger
+
+    book = Ledger(r)
+    jobs.save(r, name, jobs.GenerationParams(), gpus=gpus, dataset="x", status="running")
+    book.add_prompts(name, [(f"p{i}", "[]") for i in range(n)])
+    return book
+
+
+def _settings(**kw):
+    from dflash_tasks.settings import Settings
+
+    return Settings(**kw)
+
+
+def test_rate_is_over_the_recent_window_not_since_the_start(r):
+    from dflash_tasks.progress import RATE_BUCKET_S, snapshot
+
+    book = _job(r, "win", 100)
+    for i in range(30):
+        book.complete("win", f"p{i}", i % 2, _row(i, i % 2, 100 * (1 + i % 2), 1.0))
+    k = JobKeys("win")
+    now = int(r.time()[0])
+    old = now - 3600 - now % RATE_BUCKET_S
+    # An hour ago, a burst of 10,000 completions: outside a 300 s window, so it must not count.
+    r.hset(k.rate, mapping={f"c:{old}": 10_000, f"t:{old}": 10**7, f"g0:c:{old}": 10_000})
+    r.hset(k.counters, "first_completed_at", old)
+    snap = snapshot(r, "win", _settings(rate_window_s=300))
+    span = now - (now - 300 - (now - 300) % RATE_BUCKET_S) + r.time()[1] / 1e6
+    assert snap["rate_per_sec"] == pytest.approx(30 / span, rel=0.05)
+    assert snap["output_tokens_per_sec"] == pytest.approx(4500 / span, rel=0.05)
+    assert snap["input_throughput"] == pytest.approx(300 / span, rel=0.05)
+    assert snap["gpus"]["gpu0"]["request_throughput"] == pytest.approx(15 / span, rel=0.05)
+    assert snap["gpus"]["gpu1"]["output_tokens_per_sec"] == pytest.approx(3000 / span, rel=0.05)
+    assert snap["eta_hours"] == pytest.approx(70 / snap["rate_per_sec"] / 3600, rel=0.01)
+
+
+def test_old_rate_buckets_are_pruned(r):
+    from dflash_tasks.progress import RATE_BUCKET_S, prune_rate
+
+    book = _job(r, "prune", 10)
+    book.complete("prune", "p0", 0, _row(0, 0, 5, 1.0))
+    k = JobKeys("prune")
+    now = int(r.time()[0])
+    old = now - 7200 - now % RATE_BUCKET_S
+    r.hset(k.counters, "first_completed_at", old)
+    r.hset(k.rate, mapping={f"c:{old}": 1, f"g1:t:{old + 10}": 1, f"i:{old + 20}": 1})
+    assert prune_rate(r, "prune", 2, keep_s=600) == 3
+    fields = {f.decode() for f in r.hkeys(k.rate)}
+    assert not any(str(old) in f for f in fields) and any(f.startswith("c:") for f in fields)
+    assert prune_rate(r, "prune", 2, keep_s=600) == 0  # nothing left to walk twice
+
+
+def test_reading_costs_the_same_at_any_size(r, monkeypatch):
+    """The same Redis commands for 100 prompts as for 20,000: counters, not scans."""
+    from dflash_tasks.progress import snapshot
+
+    sent: list[str] = []
+    real_execute = redis_lib.client.Pipeline.execute
+    real_command = redis_lib.Redis.execute_command
+
+    def execute(self, *a, **kw):
+        sent.extend(str(args[0]).upper() for args, _ in self.command_stack)
+        return real_execute(self, *a, **kw)
+
+    def command(self, *args, **kw):
+        sent.append(str(args[0]).upper())
+        return real_command(self, *args, **kw)
+
+    def commands_for(name: str, n: int) -> list[str]:
+        book = _job(r, name, n)
+        pipe = r.pipeline(transaction=False)
+        for i in range(n // 2):
+            pipe.sadd(JobKeys(name).done, f"p{i}")
+        pipe.hincrby(JobKeys(name).counters, "completed", n // 2)
+        pipe.execute()
+        book.complete(name, "p0x", 0, _row(0, 0, 5, 1.0))
+        sent.clear()
+        monkeypatch.setattr(redis_lib.client.Pipeline, "execute", execute)
+        monkeypatch.setattr(redis_lib.Redis, "execute_command", command)
+        try:
+            snapshot(r, name, _settings())
+        finally:
+            monkeypatch.undo()
+        return list(sent)
+
+    small, large = commands_for("small", 100), commands_for("large", 20_000)
+    assert small == large
+    assert not {"SCAN", "SSCAN", "HSCAN", "SMEMBERS", "HVALS", "XRANGE", "KEYS", "LRANGE"} & set(small)
+
+
+def test_latency_percentiles_and_s3_totals_are_counted_once_per_batch(r, tmp_path):
+    from dflash_tasks.batches import BatchPolicy, BatchWriter
+    from dflash_tasks.ledger import Ledger
+    from dflash_tasks.progress import snapshot
+    from dflash_tasks.storage import LocalStorage
+
+    class FakeRemote(LocalStorage):
+        is_remote = True
+
+    book = _job(r, "lat", 200)
+    latencies = [0.5 + i * 0.05 for i in range(200)]
+    for i, lat in enumerate(latencies):
+        book.complete("lat", f"p{i}", i % 2, _row(i, i % 2, 50, lat, "length" if i % 4 == 0 else "stop"))
+    writer = BatchWriter(r, Ledger(r), FakeRemote(tmp_path), BatchPolicy(rows=64, bytes=10**9, max_age_s=999))
+    names = writer.flush("lat", final=True)
+    assert len(names) == 4
+    writer.flush("lat", final=True)  # nothing more, nothing counted twice
+    # A batch recorded again (a retried step) adds nothing.
+    rec = json.loads(r.hget(JobKeys("lat").manifest, names[0]))
+    assert not book.record_batch("lat", names[0], rec, stats={"latency_n": 999})
+
+    snap = snapshot(r, "lat", _settings())
+    ms = sorted(x * 1000 for x in latencies)
+    assert snap["latency_rows"] == 200
+    assert snap["mean_e2e_latency_ms"] == pytest.approx(statistics.mean(ms), abs=0.5)
+    assert snap["median_e2e_latency_ms"] == pytest.approx(statistics.median(ms), rel=0.07)
+    assert snap["p99_e2e_latency_ms"] == pytest.approx(ms[197], rel=0.07)
+    assert snap["s3_uploaded"] == snap["batches"] == 4
+    assert snap["s3_bytes"] == snap["batch_bytes"] == sum(
+        json.loads(v)["bytes"] for v in r.hvals(JobKeys("lat").manifest))
+    assert snap["truncated_pct"] == 25.0
+    assert snap["short_output_pct"] == 100.0  # every output under 64 tokens: the alarm is on
+    manifest = json.loads((tmp_path / "lat" / "manifest.json").read_text())
+    assert [b["name"] for b in manifest["batches"]] == sorted(names) and manifest["rows"] == 200
