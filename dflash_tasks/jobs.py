@@ -87,3 +87,30 @@ def set_status(r: redis.Redis, name: str, status: str) -> None:
 
 def names(r: redis.Redis) -> list[str]:
     return sorted(m.decode() for m in r.smembers(JOBS))
+
+
+def update_params(r: redis.Redis, name: str, **changes) -> tuple[GenerationParams, GenerationParams]:
+    """Change a job's generation parameters; every prompt not yet sent to a server uses them
+    (tasks read them when they run). Returns (old, new)."""
+    job = load(r, name)
+    if job is None:
+        raise KeyError(name)
+    new = job.params.replace(**changes)
+    r.hset(JobKeys(name).config, "params", json.dumps(asdict(new)))
+    return job.params, new
+
+
+def cancel(r: redis.Redis, name: str) -> int:
+    """Mark the job cancelled and drop its pending prompts (in-flight ones finish and are kept).
+    Dropped prompts leave the job entirely, so enqueueing the dataset again brings them back.
+    Returns how many were dropped."""
+    k = JobKeys(name)
+    set_status(r, name, "cancelled")  # first: take.lua dispatches nothing from now on
+    dropped = 0
+    while ids := r.lpop(k.pending, 1000):
+        pipe = r.pipeline()
+        pipe.hdel(k.prompts, *ids)
+        pipe.hincrby(k.counters, "total", -len(ids))
+        pipe.execute()
+        dropped += len(ids)
+    return dropped

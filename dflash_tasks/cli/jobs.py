@@ -1,0 +1,82 @@
+"""Steering a job while it runs: list jobs, pause, resume, cancel, change its parameters."""
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from .. import jobs
+from .common import console, job_or_fail, redis_or_fail
+
+
+@click.command("jobs")
+def list_jobs() -> None:
+    """Every job with its status and progress."""
+    from ..connections import ledger
+
+    r = redis_or_fail()
+    table = Table("job", "status", "done", "total", "failed", "max_tokens", "gpus")
+    for name in jobs.names(r):
+        job = jobs.load(r, name)
+        c = ledger().counters(name)
+        table.add_row(name, job.status, f"{c.get('completed', 0):,}", f"{c.get('total', 0):,}",
+                      f"{c.get('failed', 0):,}", str(job.params.max_tokens), str(job.gpus))
+    console.print(table)
+
+
+@click.command()
+@click.option("--job", "name", required=True)
+def pause(name: str) -> None:
+    """Stop dispatching the job's prompts; requests in flight finish and are kept."""
+    r = redis_or_fail()
+    job_or_fail(r, name)
+    jobs.set_status(r, name, "paused")
+    console.print(f"job {name}: paused (requests in flight finish; `resume` continues)")
+
+
+@click.command()
+@click.option("--job", "name", required=True)
+def resume(name: str) -> None:
+    """Dispatch the job's prompts again."""
+    from .. import dispatch
+    from ..celery_app import app
+
+    r = redis_or_fail()
+    job = job_or_fail(r, name)
+    jobs.set_status(r, name, "running")
+    sent = sum(dispatch.topup(app, name, gpu) for gpu in range(job.gpus))
+    console.print(f"job {name}: running ({sent} prompts dispatched now)")
+
+
+@click.command()
+@click.option("--job", "name", required=True)
+@click.confirmation_option(prompt="Drop every pending prompt of this job?")
+def cancel(name: str) -> None:
+    """Drop the job's pending prompts and mark it cancelled; rows already made are kept."""
+    r = redis_or_fail()
+    job_or_fail(r, name)
+    dropped = jobs.cancel(r, name)
+    console.print(f"job {name}: cancelled, {dropped:,} pending prompts dropped "
+                  "(enqueue the dataset again to bring them back)")
+
+
+@click.command("set")
+@click.option("--job", "name", required=True)
+@click.option("--max-output-tokens", type=click.IntRange(min=1))
+@click.option("--temperature", type=click.FloatRange(min=0))
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True))
+@click.option("--top-k", type=int)
+@click.option("--thinking/--no-thinking", default=None)
+def set_params(name: str, max_output_tokens, temperature, top_p, top_k, thinking) -> None:
+    """Change the job's generation parameters for every prompt not yet sent to a server,
+    without stopping workers or servers."""
+    r = redis_or_fail()
+    job_or_fail(r, name)
+    try:
+        old, new = jobs.update_params(r, name, max_tokens=max_output_tokens, temperature=temperature,
+                                      top_p=top_p, top_k=top_k, enable_thinking=thinking)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    for field in ("max_tokens", "temperature", "top_p", "top_k", "enable_thinking"):
+        before, after = getattr(old, field), getattr(new, field)
+        mark = "  (changed)" if before != after else ""
+        console.print(f"{field:16} {before} -> {after}{mark}")

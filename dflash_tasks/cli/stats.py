@@ -1,0 +1,59 @@
+"""`stats`: output-length percentiles, finish reasons and truncation, in seconds at any scale."""
+from __future__ import annotations
+
+import json
+
+import click
+from rich.table import Table
+
+from ..settings import get_settings
+from .common import console, job_or_fail, redis_or_fail
+
+
+def _row(t: Table, label: str, s: dict) -> None:
+    t.add_row(label, *(f"{s[k]:,}" if isinstance(s[k], int) else f"{s[k]:,.1f}"
+                       for k in ("p50", "p90", "p99", "max")))
+
+
+@click.command()
+@click.option("--job", "name", required=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--sample", type=click.IntRange(min=0), default=2000, show_default=True,
+              help="Newest rows read for what counters cannot tell (0: counters only).")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG histogram of output lengths.")
+def stats(name: str, as_json: bool, sample: int, plot: str | None) -> None:
+    """Output-token percentiles, finish reasons, truncation (while thinking or in the answer),
+    reasoning against answer length, empty answers, think markers in content, per GPU."""
+    from ..stats import counter_hist, job_stats, plot_lengths
+    from ..storage import storage_for
+
+    r = redis_or_fail()
+    job = job_or_fail(r, name)
+    result = job_stats(r, storage_for(get_settings()), name, max_tokens=job.params.max_tokens,
+                       sample=sample)
+    if plot:
+        plot_lengths(counter_hist(r, name), job.params.max_tokens, plot)
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+        return
+    s = result["sample"]
+    t = Table("output tokens", "p50", "p90", "p99", "max",
+              title=f"job {name}: {result['completed']:,} completions, max_tokens {job.params.max_tokens:,}")
+    _row(t, "all rows (64-token buckets)", result["output_tokens"])
+    if s["rows"]:
+        for key in ("output_tokens", "reasoning_tokens", "answer_tokens", "prompt_tokens"):
+            _row(t, f"{key.replace('_', ' ')} (sample of {s['rows']:,})", s[key])
+        for gpu, g in s["per_gpu"].items():
+            _row(t, f"{gpu} output tokens (sample)", g)
+    console.print(t)
+    reasons = ", ".join(f"{k} {v:,} ({100 * v / max(1, result['completed']):.1f}%)"
+                        for k, v in sorted(result["finish_reasons"].items()))
+    console.print(f"finish reasons: {reasons}")
+    console.print(f"truncated: {result['truncated_pct']:.1f}% of all rows"
+                  + (f"; in the sample {s['truncated_thinking_pct']:.1f}% while thinking (no answer), "
+                     f"{s['truncated_answer_pct']:.1f}% in the answer" if s["rows"] else ""))
+    if s["rows"]:
+        console.print(f"sample: {s['empty_answers']:,} empty answers, {s['empty_reasoning']:,} empty "
+                      f"reasoning, {s['think_markers_in_content']:,} think markers in content")
+    if plot:
+        console.print(f"histogram written to {plot}")

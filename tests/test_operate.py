@@ -1,0 +1,117 @@
+"""Operating a run: length statistics against the simulated server's known distribution,
+raising max tokens mid-run, pause / resume / cancel with nothing lost."""
+from __future__ import annotations
+
+import json
+
+from conftest import write_jsonl
+from support import wait_until
+
+from dflash_tasks.sim.lengths import chat_plan
+from dflash_tasks.stats import percentile
+
+SIM_ARGS = ("--slots", "40", "--decode-tps", "4000")
+
+
+def start(c, gpus=(0, 1), sim_args=SIM_ARGS):
+    for gpu in gpus:
+        c.start_server(gpu, *sim_args)
+        c.start_worker(gpu)
+    c.start_beat()
+
+
+def prompts(tmp_path, n: int):
+    rows = [{"id": f"q{i:05d}", "prompt": f"Task {i}: reason about case {i * 104729 % 9973}."}
+            for i in range(n)]
+    return write_jsonl(tmp_path / "prompts.jsonl", rows), rows
+
+
+def expected(rows, max_tokens):
+    return {r["id"]: chat_plan([{"role": "user", "content": r["prompt"]}], max_tokens) for r in rows}
+
+
+def test_stats_match_the_known_length_distribution(cluster, tmp_path):
+    c = cluster()
+    start(c)
+    path, rows = prompts(tmp_path, 600)
+    c.manage("enqueue", "--dataset", str(path), "--job", "lengths", "--gpus", "2",
+             "--max-output-tokens", "4096")
+    c.wait_done("lengths")
+    plan = expected(rows, 4096)
+    lengths = sorted(p.completion_tokens for p in plan.values())
+    truncated = sum(p.finish_reason == "length" for p in plan.values())
+
+    out = json.loads(c.manage("stats", "--job", "lengths", "--json", "--sample", "600",
+                              "--plot", str(tmp_path / "lengths.png")).stdout)
+    assert out["finish_reasons"] == {"length": truncated, "stop": 600 - truncated}
+    assert out["truncated_pct"] == round(100 * truncated / 600, 2)
+    assert 10 < out["truncated_pct"] < 30  # the real run's 18% at a 4,096 cap
+    hist = out["output_tokens"]
+    for q in (50, 90, 99):
+        exact = percentile(lengths, q)
+        assert exact - 64 < hist[f"p{q}"] <= exact, (q, exact, hist)
+    assert hist["max"] == 4096 == lengths[-1]
+    sample = out["sample"]
+    assert sample["rows"] == 600
+    assert [sample["output_tokens"][f"p{q}"] for q in (50, 90, 99)] == \
+        [percentile(lengths, q) for q in (50, 90, 99)]
+    assert sample["truncated_thinking_pct"] + sample["truncated_answer_pct"] == \
+        sample["truncated_pct"]
+    assert sample["truncated_thinking_pct"] > 0  # long reasoning is where a 4,096 cap bites
+    assert sample["think_markers_in_content"] == 0
+    assert (tmp_path / "lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    table = c.manage("stats", "--job", "lengths").stdout
+    assert "finish reasons: length" in table and "truncated:" in table
+
+
+def test_raising_max_tokens_mid_run_reaches_every_prompt_not_yet_sent(cluster, tmp_path):
+    c = cluster()
+    start(c, sim_args=("--slots", "40", "--decode-tps", "1000"))  # slow enough to change mid-run
+    path, rows = prompts(tmp_path, 1200)
+    c.manage("enqueue", "--dataset", str(path), "--job", "raise", "--gpus", "2",
+             "--max-output-tokens", "4096")
+    wait_until(lambda: c.status("raise")["completed"] >= 100, timeout=120, what="100 completions")
+    out = c.manage("set", "--job", "raise", "--max-output-tokens", "8192").stdout
+    assert "max_tokens       4096 -> 8192  (changed)" in out
+    c.wait_done("raise")
+
+    rows_out = c.rows("raise")
+    caps = {r["metadata"]["max_tokens"] for r in rows_out}
+    assert caps == {4096, 8192}  # prompts sent before the change kept their cap
+    plan = {4096: expected(rows, 4096), 8192: expected(rows, 8192)}
+    for row in rows_out:
+        meta = row["metadata"]
+        want = plan[meta["max_tokens"]][row["id"]]
+        assert (meta["completion_tokens"], meta["finish_reason"]) == \
+            (want.completion_tokens, want.finish_reason), row["id"]
+    assert c.status("raise")["params"]["max_tokens"] == 8192
+
+
+def test_pause_resume_cancel_lose_nothing(cluster, tmp_path):
+    c = cluster()
+    start(c)
+    path, rows = prompts(tmp_path, 1500)
+    c.manage("enqueue", "--dataset", str(path), "--job", "steer", "--gpus", "2")
+    wait_until(lambda: c.status("steer")["completed"] >= 50, timeout=120, what="50 completions")
+
+    c.manage("pause", "--job", "steer")
+    paused = wait_until(lambda: (s := c.status("steer"))["in_flight"] == 0 and s, timeout=120,
+                        what="requests in flight to finish")
+    assert paused["status"] == "paused" and paused["pending"] > 0
+    assert paused["completed"] + paused["pending"] == 1500  # nothing lost while paused
+
+    c.manage("resume", "--job", "steer")
+    wait_until(lambda: c.status("steer")["completed"] >= paused["completed"] + 100, timeout=120,
+               what="progress after resume")
+    out = c.manage("cancel", "--job", "steer", "--yes").stdout
+    assert "cancelled" in out
+    final = wait_until(lambda: (s := c.status("steer"))["in_flight"] == 0
+                       and s["unsealed_rows"] == 0 and s, timeout=120, what="the cancelled job to settle")
+    assert final["status"] == "cancelled" and final["pending"] == 0
+    kept = c.rows("steer")
+    assert len(kept) == len({r["id"] for r in kept}) == final["completed"] == final["total"]
+    assert final["completed"] < 1500
+
+    jobs = c.manage("jobs").stdout
+    assert "steer" in jobs and "cancelled" in jobs
