@@ -1,8 +1,9 @@
 """`make demo`: the whole job on one machine, on defaults.
 
-Starts Redis if none answers, two simulated SGLang servers with their pinned workers, and beat;
-enqueues the bundled dataset, shows progress until done, says where the output is, and stops
-what it started. Run it again: the demo job starts over.
+Starts Redis if none answers, an S3 server (moto, unless DFLASH_S3_URI names a bucket), two
+simulated SGLang servers with their pinned workers, and beat; enqueues the bundled dataset, shows
+progress until done, lists the batches uploaded to S3, downloads and verifies them with
+`manage.py export`, and stops what it started. Run it again: the demo job starts over.
 """
 from __future__ import annotations
 
@@ -20,16 +21,17 @@ import httpx
 import redis
 
 from . import jobs
-from .batches import read_batch, read_manifest
+from .batches import manifest_key, progress_key, read_batch, read_manifest
 from .keys import JobKeys
 from .settings import get_settings, redact_url
-from .storage import LocalStorage
+from .storage import storage_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DATASET = ROOT / "examples" / "prompts.jsonl"
 JOB = "demo"
 GPUS = 2
 SIM_ARGS = ["--slots", "40", "--decode-tps", "1000"]
+S3_BUCKET = "dflash-demo"
 
 
 def _port_free(port: int) -> bool:
@@ -109,16 +111,45 @@ class Demo:
         self.spawn("beat", [sys.executable, "manage.py", "beat"])
         print(f"Celery: workers gpu0..gpu{GPUS - 1} and beat started (logs in {self.logs})")
 
+    def s3(self) -> None:
+        """Batches go to S3: the bucket DFLASH_S3_URI names (credentials and endpoint from
+        boto3's own chain), else a local S3 server (moto) started here, with dummy credentials.
+        Batches of 64 rows (unless DFLASH_BATCH_ROWS says otherwise), so a few ship."""
+        os.environ.setdefault("DFLASH_BATCH_ROWS", "64")
+        get_settings.cache_clear()
+        self.settings = get_settings()
+        if self.settings.s3_uri:
+            print(f"S3: using {self.settings.s3_uri} (credentials and endpoint from boto3's chain)")
+            return
+        port = _free_port()
+        self.spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
+        endpoint = f"http://127.0.0.1:{port}"
+        _wait("the S3 server (moto)", lambda: httpx.get(endpoint + "/moto-api/").status_code < 500)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+            os.environ.pop(name, None)  # no real credentials or endpoint near the demo server
+        os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "demo",
+                           "AWS_SECRET_ACCESS_KEY": "demo", "AWS_DEFAULT_REGION": "us-east-1",
+                           "DFLASH_S3_URI": f"s3://{S3_BUCKET}/runs"})
+        get_settings.cache_clear()
+        self.settings = get_settings()
+        import boto3
+
+        boto3.session.Session().client("s3").create_bucket(Bucket=S3_BUCKET)
+        print(f"S3: started a local S3 server (moto) at {endpoint}, batches go to "
+              f"{self.settings.s3_uri}")
+
     def forget_previous_run(self, r: redis.Redis) -> None:
         keys = list(r.scan_iter(match=JobKeys(JOB)._k("*"), count=1000))
         if keys:
             r.delete(*keys)
         r.srem("dflash:jobs", JOB)
         shutil.rmtree(self.settings.output_dir / JOB, ignore_errors=True)
+        shutil.rmtree(self.settings.output_dir / f"{JOB}-export", ignore_errors=True)
 
     def run(self) -> None:
         r = self.redis()
         self.forget_previous_run(r)
+        self.s3()
         self.workers(r, self.servers())
         print()
         subprocess.run([sys.executable, "manage.py", "enqueue", "--dataset", str(DATASET), "--job", JOB,
@@ -128,14 +159,21 @@ class Demo:
 
     def report(self) -> None:
         out = self.settings.output_dir / JOB
-        storage = LocalStorage(self.settings.output_dir)
+        storage = storage_for(self.settings)
         manifest = read_manifest(storage, JOB)
         row = read_batch(storage, manifest["batches"][0])[0]
         answer = row["conversations"][-1]
-        print(f"\nOutput: {len(manifest['batches'])} batches, {manifest['rows']} rows, {manifest['bytes']:,} bytes")
+        print(f"\nOutput: {len(manifest['batches'])} batches, {manifest['rows']} rows, "
+              f"{manifest['bytes']:,} bytes, uploaded to {storage.location(JOB)}/")
         for record in manifest["batches"]:
-            print(f"  {out / 'batches' / (record['name'] + '.jsonl.zst')}  rows={record['rows']}  sha256={record['sha256'][:12]}…")
-        print(f"  manifest: {out / 'manifest.json'}\n  progress: {out / 'progress.json'}")
+            print(f"  {storage.location(record['key'])}  rows={record['rows']}  "
+                  f"bytes={record['bytes']:,}  sha256={record['sha256'][:12]}…")
+        print(f"  manifest: {storage.location(manifest_key(JOB))}")
+        print(f"  progress: {out / 'progress.json'}, and {storage.location(progress_key(JOB))}")
+        dest = self.settings.output_dir / f"{JOB}-export"
+        print(f"\n$ python manage.py export --job {JOB} --to {dest}")
+        subprocess.run([sys.executable, "manage.py", "export", "--job", JOB, "--to", str(dest)],
+                       cwd=ROOT, check=True)
         print("\nA row (abridged):")
         print(json.dumps({**row, "conversations": [*row["conversations"][:-1], {
             **answer, "content": answer["content"][:60] + "…",
