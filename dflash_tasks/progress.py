@@ -110,8 +110,12 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
 
     def out_pct(q: float) -> int | None:
         b = _percentile(out_hist, q)
-        # The bucket's middle, but never above the cap (truncated outputs sit at the cap).
-        return min(b + HIST_BUCKET_TOKENS // 2, job.params.max_tokens) if b is not None else None
+        # As `manage.py stats` reports them: a bucket's lower edge, or the cap for the bucket
+        # holding the cap (truncated outputs are exactly the cap).
+        if b is None:
+            return None
+        cap = job.params.max_tokens
+        return cap if b <= cap < b + HIST_BUCKET_TOKENS else b
 
     err = {key.decode(): v.decode() for key, v in storage_error.items()}
     gpus = {}
