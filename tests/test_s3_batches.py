@@ -4,7 +4,6 @@ whatever happens to beat or to S3 along the way, and `manage.py export` proves i
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import threading
