@@ -101,12 +101,24 @@ def _storage_state(r, name: str, error: Exception | None, backlog: int) -> None:
                     "tick", name, f" for {now - since:.0f}s" if prev else "", message, backlog)
 
 
+def _settled(r, job: jobs.Job) -> bool:
+    """A cancelled job still has ticks to come while its last requests finish and their rows
+    wait to be sealed."""
+    k = job.keys
+    pipe = r.pipeline(transaction=False)
+    pipe.xlen(k.output)
+    pipe.exists(k.sealing)
+    for gpu in range(job.gpus):
+        pipe.zcard(k.inflight(gpu))
+    return not any(pipe.execute())
+
+
 @app.task(name="dflash_tasks.tick", ignore_result=True)
 def tick() -> None:
     r = redis_client()
     for name in jobs.names(r):
         job = jobs.load(r, name)
-        if job and job.status in ACTIVE:
+        if job and (job.status in ACTIVE or job.status == "cancelled" and not _settled(r, job)):
             try:
                 tick_job(name)
             except LockLost as exc:
