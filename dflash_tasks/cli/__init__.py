@@ -13,6 +13,7 @@ COMMANDS = {
     "enqueue": "dflash_tasks.cli.run:enqueue",
     "status": "dflash_tasks.cli.run:status",
     "export": "dflash_tasks.cli.output:export",
+    "validate": "dflash_tasks.cli.validate:validate",
     "jobs": "dflash_tasks.cli.jobs:list_jobs",
     "pause": "dflash_tasks.cli.jobs:pause",
     "resume": "dflash_tasks.cli.jobs:resume",

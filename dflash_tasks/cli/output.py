@@ -8,6 +8,7 @@ from rich.table import Table
 
 from ..settings import get_settings
 from .common import console, err_console
+from .validate import training_options
 
 
 @click.command()
@@ -18,9 +19,15 @@ from .common import console, err_console
               help="Where the batches are [DFLASH_S3_URI, else DFLASH_OUTPUT_DIR].")
 @click.option("--allow-partial", is_flag=True,
               help="Succeed even when fewer rows are shipped than the job has completed.")
-def export(name: str, dest: Path, source: str | None, allow_partial: bool) -> None:
+@training_options
+def export(name: str, dest: Path, source: str | None, allow_partial: bool, **training) -> None:
     """Download a job's batches and manifest, verify every checksum, that no id appears twice,
-    and that the row count equals the job's completed count."""
+    and that the row count equals the job's completed count. With --format, write the rows
+    that pass the quality gate's rules in a training format instead."""
+    if training["fmt"] != "batches":
+        from .validate import export_format
+
+        return export_format(name, dest, source, **training)
     import redis
 
     from ..batches import ChecksumMismatch

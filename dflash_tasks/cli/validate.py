@@ -1,0 +1,258 @@
+"""Training data: the quality gate (validate) and the training formats of `export --format`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from ..settings import get_settings
+from .common import console, err_console
+
+_SHARE = click.FloatRange(0.0, 1.0)
+
+
+def _rule_options(f):
+    """The row rules, shared by validate and the training formats of export."""
+    f = click.option("--keep-truncated", is_flag=True,
+                     help="Keep rows cut by max_tokens (dropped by default: their answer never "
+                          "finished).")(f)
+    f = click.option("--max-length", type=click.IntRange(min=1), default=16384, show_default=True,
+                     help="The training max length: longer rows (input ids) are flagged and "
+                          "dropped.")(f)
+    f = click.option("--min-loss-tokens", type=click.IntRange(min=0), default=32,
+                     show_default=True,
+                     help="Rows with fewer loss-mask tokens are flagged and dropped.")(f)
+    f = click.option("--tokenizer", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                     help="The target model's tokenizer directory (its chat template renders rows "
+                          "without server token ids; validate also checks it against the ids).")(f)
+    return f
+
+
+def training_options(f):
+    """`export --format` and the rules its training formats apply (added to cli/output.py)."""
+    from ..training_data.exports import FORMATS
+
+    f = _rule_options(f)
+    return click.option("--format", "fmt", type=click.Choice(["batches", *FORMATS]),
+                        default="batches", show_default=True,
+                        help="batches: the verified zstd batches and manifest as shipped; "
+                             "specforge-conversations: SpecForge's regenerated-data JSONL; "
+                             "specforge-tokenized: input_ids + loss_mask JSONL for SpecForge's "
+                             "prompts_path; parquet: for datasets.load_dataset. The training "
+                             "formats keep only rows that pass the quality gate's rules and "
+                             "report what was dropped and why.")(f)
+
+
+def _storage(source: str | None):
+    from ..storage import storage_at, storage_for
+
+    s = get_settings()
+    return storage_at(source, s) if source else storage_for(s)
+
+
+def _template(path: Path | None):
+    if path is None:
+        return None
+    from ..training_data.tokens import ChatTemplate, TokenizeError
+
+    try:
+        return ChatTemplate.load(path)
+    except (TokenizeError, OSError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--tokenizer") from None
+
+
+def _job_state(storage, name: str) -> dict | None:
+    from ..batches import progress_key
+    from ..storage import StorageError
+
+    try:
+        return json.loads(storage.get(progress_key(name)))
+    except (StorageError, ValueError):
+        return None
+
+
+def _check_name(name: str) -> None:
+    from ..keys import check_job_name
+
+    try:
+        check_job_name(name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--job") from None
+
+
+def _print_report(name: str, where: str, figures: dict, failures: list[str], state: dict | None,
+                  th) -> None:
+    lt = figures["loss_tokens"]
+    t = Table(title=f"quality gate of job {name}", show_header=False, box=None)
+    t.add_row("from", where)
+    if state:
+        t.add_row("job", f"{state.get('status')}, {state.get('completed', 0):,} completed"
+                  + ("" if state.get("status") == "done" else " (still generating: this checks "
+                                                              "what is shipped so far)"))
+    t.add_row("rows", f"{figures['rows']:,} unique ids ({figures['duplicates']:,} older "
+                      "duplicates replaced by newer rows)")
+    t.add_row("statuses", ", ".join(f"{k} {v:,}" for k, v in sorted(figures["statuses"].items())))
+    sources = ", ".join(f"{k} {v:,}" for k, v in sorted(figures["token_sources"].items())) or "none"
+    t.add_row("tokens from", f"{sources}; untokenized {figures['untokenized']:,}")
+    if lt["p50"] is not None:
+        t.add_row("loss tokens", f"min {lt['min']:,}  p10 {lt['p10']:,}  p50 {lt['p50']:,}  "
+                                 f"p90 {lt['p90']:,}  max {lt['max']:,}")
+        t.add_row("most common", f"{lt['most_common']:,} tokens in {lt['most_common_pct']}% of "
+                                 f"finished rows ({lt['most_common_rows']:,}; limit "
+                                 f"{100 * th.max_spike_share:g}%)")
+    t.add_row("short", f"{figures['short_pct']}% under {figures['rules']['min_loss_tokens']} loss "
+                       f"tokens (limit {100 * th.max_short_share:g}%)")
+    t.add_row("empty answers", f"{figures['empty_answer_pct']}% of successful rows "
+                               f"(limit {100 * th.max_empty_answer_share:g}%)")
+    t.add_row("empty reasoning", f"{figures['empty_reasoning_pct']}% of successful thinking rows "
+                                 f"(limit {100 * th.max_empty_reasoning_share:g}%)")
+    t.add_row("think markers", f"{figures['marker_in_content']:,} in content, "
+                               f"{figures['marker_in_reasoning']:,} in reasoning "
+                               f"(limit {100 * th.max_marker_share:g}%)")
+    t.add_row("truncated", f"{figures['truncated_pct']}% (limit {100 * th.max_truncated_share:g}%)")
+    t.add_row("over max length", f"{figures['over_length']:,} rows over "
+                                 f"{figures['rules']['max_length']:,} (longest "
+                                 f"{figures['max_input_len']:,}; limit "
+                                 f"{100 * th.max_over_length_share:g}%)")
+    tc = figures["template_check"]
+    if tc:
+        t.add_row("template check", f"{tc['compared']:,} rows rendered by --tokenizer: prompt "
+                                    f"differs in {tc['prompt_mismatch']:,}, tokens or mask in "
+                                    f"{tc['response_mismatch']:,}")
+    dropped = figures["dropped"]
+    t.add_row("export keeps", f"{figures['kept']:,} rows; drops "
+              + (", ".join(f"{k} {v:,}" for k, v in sorted(dropped.items())) or "none"))
+    console.print(t)
+    d = Table(title="loss-mask sums (tokens trained on per row)", box=None)
+    d.add_column("loss tokens", justify="right")
+    d.add_column("rows", justify="right")
+    d.add_column("%", justify="right")
+    d.add_column("")
+    peak = max((b["pct"] for b in lt["distribution"]), default=0) or 1
+    for b in lt["distribution"]:
+        d.add_row(b["loss_tokens"], f"{b['rows']:,}", f"{b['pct']:.1f}",
+                  "█" * round(30 * b["pct"] / peak))
+    console.print(d)
+    if failures:
+        console.print(f"[bold red]FAIL[/]: {len(failures)} threshold(s) crossed")
+    else:
+        console.print("[bold green]PASS[/]: every threshold holds")
+
+
+@click.command()
+@click.option("--job", "name", required=True, help="The job whose shipped rows to check.")
+@click.option("--from", "source", metavar="S3_URI_OR_DIR",
+              help="Where the batches are [DFLASH_S3_URI, else DFLASH_OUTPUT_DIR].")
+@_rule_options
+@click.option("--sample", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Check only the newest N rows (0: all).")
+@click.option("--compare-rows", type=click.IntRange(min=0), default=1000, show_default=True,
+              help="With --tokenizer: render this many rows that have server ids through the "
+                   "template and compare.")
+@click.option("--max-spike-share", type=_SHARE, default=0.10, show_default=True,
+              help="Fail when one loss-mask sum holds more than this share of finished rows.")
+@click.option("--max-short-share", type=_SHARE, default=0.05, show_default=True,
+              help="Fail when more rows than this have fewer than --min-loss-tokens.")
+@click.option("--max-empty-answer-share", type=_SHARE, default=0.02, show_default=True)
+@click.option("--max-empty-reasoning-share", type=_SHARE, default=0.02, show_default=True)
+@click.option("--max-marker-share", type=_SHARE, default=0.001, show_default=True,
+              help="Fail when more rows than this have think markers in their text.")
+@click.option("--max-truncated-share", type=_SHARE, default=0.30, show_default=True)
+@click.option("--max-over-length-share", type=_SHARE, default=0.05, show_default=True)
+@click.option("--max-prompt-mismatch-share", type=_SHARE, default=0.0, show_default=True,
+              help="With --tokenizer: fail when its template renders other prompts than the "
+                   "server's for more rows than this.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def validate(name: str, source: str | None, tokenizer: Path | None, min_loss_tokens: int,
+             max_length: int, keep_truncated: bool, sample: int, compare_rows: int,
+             as_json: bool, **limits) -> None:
+    """The quality gate: check a job's shipped rows before training on them. Reports the
+    loss-mask distribution (and a spike at one value), empty answers and reasoning, think
+    markers in the text, truncation, duplicate ids and rows over the max length; exits 1 with
+    the reasons when a threshold is crossed, so a training launch can depend on it."""
+    from ..batches import ChecksumMismatch
+    from ..storage import StorageError
+    from ..training_data.exports import validate_job
+    from ..training_data.gate import Rules, Thresholds
+    from ..training_data.reader import NoManifest
+
+    _check_name(name)
+    storage = _storage(source)
+    template = _template(tokenizer)
+    rules = Rules(min_loss_tokens=min_loss_tokens, max_length=max_length,
+                  keep_truncated=keep_truncated)
+    th = Thresholds(**limits)
+    try:
+        with err_console.status(f"reading {name} from {storage.location(name)} ...") as spin:
+            n = [0]
+
+            def on_batch(rec: dict) -> None:
+                n[0] += 1
+                spin.update(f"checked {n[0]} batches ({rec['name']})")
+
+            report, failures = validate_job(storage, name, rules, th, template=template,
+                                            sample=sample or None, compare_rows=compare_rows,
+                                            on_batch=on_batch)
+    except (NoManifest, ChecksumMismatch, StorageError) as exc:
+        raise click.ClickException(str(exc)) from None
+    figures = report.figures()
+    state = _job_state(storage, name)
+    if as_json:
+        click.echo(json.dumps({**figures, "job": name, "passed": not failures,
+                               "failures": failures, "thresholds": th.__dict__,
+                               "job_status": state.get("status") if state else None}, indent=1))
+    else:
+        _print_report(name, storage.location(name), figures, failures, state, th)
+    if failures:
+        err_console.print(f"validate: job {name} FAILS the quality gate:\n"
+                          + "\n".join(f"  - {f}" for f in failures), highlight=False)
+        sys.exit(1)
+
+
+def export_format(name: str, dest: Path, source: str | None, *, fmt: str, tokenizer: Path | None,
+                  min_loss_tokens: int, max_length: int, keep_truncated: bool) -> None:
+    """The training formats of `manage.py export` (called from cli/output.py)."""
+    from ..batches import ChecksumMismatch
+    from ..storage import StorageError
+    from ..training_data.exports import export_training
+    from ..training_data.gate import REASONS, Rules
+    from ..training_data.reader import NoManifest
+
+    _check_name(name)
+    storage = _storage(source)
+    template = _template(tokenizer)
+    rules = Rules(min_loss_tokens=min_loss_tokens, max_length=max_length,
+                  keep_truncated=keep_truncated)
+    state = _job_state(storage, name)
+    if state and state.get("status") != "done":
+        err_console.print(f"[yellow]job {name} is {state.get('status')}: exporting the rows "
+                          "shipped so far[/]")
+    try:
+        with err_console.status(f"exporting {name} as {fmt} ...") as spin:
+            n = [0]
+
+            def on_batch(rec: dict) -> None:
+                n[0] += 1
+                spin.update(f"read {n[0]} batches ({rec['name']})")
+
+            out = export_training(storage, name, fmt, dest, rules, template=template,
+                                  on_batch=on_batch)
+    except (NoManifest, ChecksumMismatch, StorageError) as exc:
+        raise click.ClickException(str(exc)) from None
+    summary = out.summary()
+    t = Table(title=f"export of job {name} as {fmt}", show_header=False, box=None)
+    t.add_row("from", storage.location(name))
+    t.add_row("to", str(out.path))
+    t.add_row("rows read", f"{summary['rows_read']:,} ({summary['unique_ids']:,} unique ids)")
+    t.add_row("kept", f"{out.kept:,}")
+    for reason, count in sorted(summary["dropped"].items(), key=lambda kv: -kv[1]):
+        t.add_row(f"dropped: {reason}", f"{count:,}  ({REASONS[reason]})")
+    t.add_row("report", str(Path(dest) / "export_report.json") + ", dropped ids in "
+              + str(Path(dest) / "dropped.jsonl"))
+    console.print(t)
+    if out.kept == 0:
+        raise click.ClickException(f"no row of job {name} passed the rules: nothing to train on "
+                                   "(see export_report.json)")

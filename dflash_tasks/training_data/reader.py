@@ -1,0 +1,65 @@
+"""A job's shipped rows, read through its manifest (a local directory or S3), the newest copy
+of each id only.
+
+Batches are named in time order (`batch-<ms>-<seq>`, from the first stream entry they hold) and
+rows within a batch are in completion order, so reading batches from the newest back, and each
+batch from its last row back, meets the newest copy of an id first: a regenerated row replaces
+the older one with the same id, and every older copy is counted as a duplicate. Every batch is
+verified against the manifest (sha256, zstd checksum, row count) as it is read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from ..batches import read_batch, read_manifest
+from ..storage import Storage, StorageNotFound
+
+
+class NoManifest(RuntimeError):
+    pass
+
+
+def manifest_records(storage: Storage, job: str) -> list[dict]:
+    """The manifest's batch records, oldest first."""
+    try:
+        manifest = read_manifest(storage, job)
+    except StorageNotFound:
+        raise NoManifest(f"no manifest for job {job!r} at {storage.location(job + '/manifest.json')}: "
+                         "nothing shipped yet, or the wrong location (--from)") from None
+    return sorted(manifest.get("batches", []), key=lambda rec: rec["name"])
+
+
+@dataclass
+class NewestRows:
+    """Iterate the newest copy of every id; `duplicates` counts the older copies skipped."""
+    storage: Storage
+    job: str
+    records: list[dict] | None = None
+    on_duplicate: Callable[[dict], None] | None = None
+    on_batch: Callable[[dict], None] | None = None
+    limit: int | None = None  # stop after this many rows (the newest ones)
+    duplicates: int = 0
+    batches: int = 0
+
+    def __iter__(self) -> Iterator[dict]:
+        records = self.records if self.records is not None else manifest_records(self.storage, self.job)
+        seen: set[str] = set()
+        yielded = 0
+        for rec in reversed(records):
+            rows = read_batch(self.storage, rec)
+            self.batches += 1
+            if self.on_batch:
+                self.on_batch(rec)
+            for row in reversed(rows):
+                rid = str(row.get("id"))
+                if rid in seen:
+                    self.duplicates += 1
+                    if self.on_duplicate:
+                        self.on_duplicate(row)
+                    continue
+                seen.add(rid)
+                yield row
+                yielded += 1
+                if self.limit is not None and yielded >= self.limit:
+                    return
