@@ -1,0 +1,100 @@
+"""dflash_tasks.dataset: the streaming torch dataset, split across DataLoader workers and ranks
+with no sample missing or doubled, following a job while it still produces batches."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from conftest import write_jsonl
+from support import ROOT, Proc, python, wait_until
+from test_training_data import good_row, six_token_row, write_batches
+
+from dflash_tasks.batches import read_batch, read_manifest
+from dflash_tasks.dataset import JobDataset, pad_collate
+from dflash_tasks.storage import LocalStorage
+from dflash_tasks.training_data.gate import Rules
+
+
+def test_two_ranks_of_two_workers_follow_a_running_job(cluster, tmp_path):
+    c = cluster(batch_rows="10", batch_max_age_s="1")
+    c.start_server(0, "--slots", "8", "--fixed-tokens", "150", "--decode-tps", "100")
+    c.start_worker(0)
+    c.start_beat()
+    n = 160
+    path = write_jsonl(tmp_path / "prompts.jsonl",
+                       [{"id": f"d{i:03d}", "prompt": f"w{i} w{i + 1} w{i * 7}"} for i in range(n)])
+    c.manage("enqueue", "--dataset", str(path), "--job", "stream", "--gpus", "1",
+             "--max-output-tokens", "4096")
+    outs = [tmp_path / f"rank{r}.jsonl" for r in (0, 1)]
+    ranks = [Proc(python("tests/dataset_rank.py", "stream", str(c.output_dir), str(r), "2",
+                         str(outs[r])), tmp_path / f"rank{r}.log",
+                  env={**c.env, "PYTHONPATH": str(ROOT)}) for r in (0, 1)]
+
+    def first_samples():
+        for p in ranks:
+            assert p.alive() or p.popen.returncode == 0, p.log()
+        return all(o.exists() and o.stat().st_size for o in outs)
+
+    try:
+        wait_until(first_samples, timeout=120, interval=0.2, what="both ranks' first samples")
+        early = c.status("stream")
+        assert early["status"] == "running" and early["completed"] < n  # training before the end
+        wait_until(lambda: not any(p.alive() for p in ranks), timeout=180, interval=0.5,
+                   what="both ranks to finish with the job")
+        for p in ranks:
+            assert p.popen.returncode == 0, p.log()
+    finally:
+        for p in ranks:
+            p.stop()
+    assert c.status("stream")["status"] == "done"
+
+    got = [[json.loads(line) for line in o.read_text().splitlines()] for o in outs]
+    all_ids = [s["id"] for samples in got for s in samples]
+    assert len(all_ids) == len(set(all_ids)) == n  # none missing, none doubled
+    assert set(all_ids) == {f"d{i:03d}" for i in range(n)}
+
+    # Each batch went to exactly the shard its position names: rank * 2 + worker.
+    storage = LocalStorage(c.output_dir)
+    records = sorted(read_manifest(storage, "stream")["batches"], key=lambda r: r["name"])
+    assert len(records) >= 8  # every one of the 4 shards had batches to read
+    want: dict[int, set] = {0: set(), 1: set()}
+    rows = {}
+    for position, rec in enumerate(records):
+        for row in read_batch(storage, rec):
+            want[(position % 4) // 2].add(row["id"])
+            rows[row["id"]] = row
+    for r in (0, 1):
+        assert {s["id"] for s in got[r]} == want[r]
+    for s in got[0] + got[1]:
+        ids = rows[s["id"]]["token_ids"]
+        assert s["len"] == len(ids["prompt"]) + len(ids["response"])
+        assert s["loss"] == len(ids["response"]) and s["first_loss_at"] == len(ids["prompt"])
+
+
+def test_snapshot_of_a_finished_job_with_rules_and_padding(tmp_path):
+    rows = [six_token_row(i) if i % 4 == 0 else good_row(i) for i in range(120)]
+    write_batches(tmp_path, "snap", rows, per_batch=10)
+    (tmp_path / "snap" / "progress.json").write_text(json.dumps({"status": "done"}))
+    good = {r["id"] for r in rows if r["id"].startswith("good")}
+
+    seen = []
+    for rank in (0, 1):
+        ds = JobDataset("snap", tmp_path, rank=rank, world_size=2)
+        loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=pad_collate)
+        for batch in loader:
+            assert batch["input_ids"].shape == batch["loss_mask"].shape == batch["attention_mask"].shape
+            lengths = batch["attention_mask"].sum(1)
+            for i, rid in enumerate(batch["id"]):
+                assert batch["loss_mask"][i, lengths[i]:].sum() == 0  # padding is never trained on
+                assert batch["input_ids"][i, lengths[i] - 1] == 151645  # ends with <|im_end|>
+            seen.extend(batch["id"])
+    assert sorted(seen) == sorted(good)  # six-token rows dropped by the default rules
+
+    ds = JobDataset("snap", str(tmp_path), rules=Rules(min_loss_tokens=0), tensors=False)
+    everything = list(ds)
+    assert ds.stats["dropped:empty_answer"] == 30 and len(everything) == 90
+    assert isinstance(everything[0]["input_ids"], list)
+    assert torch.utils.data.get_worker_info() is None
