@@ -1,8 +1,10 @@
 """The SGLang HTTP client and its error hierarchy."""
 from .client import Completion, SGLangClient
-from .errors import (BadResponse, EmptyResponse, InvalidRequest, ModelNotFound, PermanentError,
-                     RequestTimeout, ServerUnavailable, SGLangError, TransientError)
+from .errors import (PERMANENT_REASONS, REASONS, TRANSIENT_REASONS, BadResponse, EmptyResponse,
+                     InvalidRequest, ModelNotFound, PermanentError, RequestAborted, RequestTimeout,
+                     ServerUnavailable, SGLangError, TransientError)
 
 __all__ = ["Completion", "SGLangClient", "SGLangError", "TransientError", "PermanentError",
            "ServerUnavailable", "RequestTimeout", "BadResponse", "InvalidRequest", "ModelNotFound",
-           "EmptyResponse"]
+           "EmptyResponse", "RequestAborted", "REASONS", "TRANSIENT_REASONS",
+           "PERMANENT_REASONS"]

@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 
-from .errors import (BadResponse, EmptyResponse, RequestTimeout, ServerUnavailable, SGLangError,
-                     error_for_status)
+from .errors import (BadResponse, EmptyResponse, RequestAborted, RequestTimeout, ServerUnavailable,
+                     SGLangError, error_for_status)
 
 # httpx logs every request at INFO: at 40 requests in flight per GPU that drowns the worker log.
 logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -166,6 +166,9 @@ def parse_chat(data: Any, *, latency_s: float, url: str = "") -> Completion:
         raise EmptyResponse(f"response has no choices: {json.dumps(data)[:300]}", url=url)
     try:
         choice = choices[0]
+        if choice.get("finish_reason") == "abort":
+            # Aborted on the server (/abort_request, a scheduler restart): not an answer.
+            raise RequestAborted("the server aborted the request (finish_reason 'abort')", url=url)
         message = choice["message"]
         usage = data["usage"]
         details = usage.get("completion_tokens_details") or {}
@@ -182,7 +185,7 @@ def parse_chat(data: Any, *, latency_s: float, url: str = "") -> Completion:
             response_token_ids=choice.get("response_token_ids"),
             matched_stop=choice.get("matched_stop"),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise BadResponse(f"unexpected response shape ({exc!r}): {json.dumps(data)[:300]}",
                           url=url) from exc
 
