@@ -11,6 +11,7 @@ from dataclasses import dataclass
 PREFIX = "dflash"
 JOBS = f"{PREFIX}:jobs"          # set: every job name ever enqueued
 WORKERS = f"{PREFIX}:workers"    # hash: "gpu3" -> JSON {concurrency, hostname, url, seen_at}
+BREAKERS = f"{PREFIX}:breakers"  # hash: "gpu3" -> JSON {state, consecutive_failures, last_error, ...}
 WORKERS_SEEN = f"{PREFIX}:workers:seen"  # hash: "gpu3" -> Redis time of the worker's last heartbeat
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
@@ -56,6 +57,10 @@ class JobKeys:
     @property
     def failed(self) -> str:      # hash: id -> JSON {reason, error, attempts, gpu, at}
         return self._k("failed")
+
+    @property
+    def failures(self) -> str:    # hash: id -> times it entered the failed registry (kept for history)
+        return self._k("failures")
 
     @property
     def counters(self) -> str:    # hash: total, completed, failed, tokens, per reason, per GPU

@@ -24,13 +24,15 @@ class TaskState:
     params: dict | None
     messages: list[dict] | None
     done: bool
+    failed: bool = False  # in the failed registry: parked until `manage.py retry-failed`
 
 
 class Ledger:
     def __init__(self, client: redis.Redis):
         self.r = client
         self._scripts = {name: client.register_script((_HERE / f"{name}.lua").read_text())
-                         for name in ("add_prompts", "take", "complete", "fail", "record_batch")}
+                         for name in ("add_prompts", "take", "complete", "fail", "record_batch",
+                                      "retry", "requeue_failed")}
 
     # -- enqueue ---------------------------------------------------------------------------------
 
@@ -54,10 +56,11 @@ class Ledger:
         pipe.hget(k.config, "params")
         pipe.hget(k.prompts, prompt_id)
         pipe.sismember(k.done, prompt_id)
-        params, messages, done = pipe.execute()
+        pipe.hexists(k.failed, prompt_id)
+        params, messages, done, failed = pipe.execute()
         return TaskState(params=json.loads(params) if params else None,
                          messages=json.loads(messages) if messages else None,
-                         done=bool(done))
+                         done=bool(done), failed=bool(failed))
 
     def drop_inflight(self, job: str, gpu: int, prompt_id: str) -> None:
         self.r.zrem(JobKeys(job).inflight(gpu), prompt_id)
@@ -76,9 +79,31 @@ class Ledger:
                   out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS]))
 
     def fail(self, job: str, prompt_id: str, gpu: int, record: dict) -> bool:
+        """Enter a prompt in the failed registry. False when it was done or already failed."""
         k = JobKeys(job)
-        return bool(self._scripts["fail"](keys=[k.done, k.inflight(gpu), k.failed, k.counters],
-                                          args=[prompt_id, json.dumps(record)]))
+        return bool(self._scripts["fail"](
+            keys=[k.done, k.inflight(gpu), k.failed, k.counters, k.failures],
+            args=[prompt_id, json.dumps(record, ensure_ascii=False)]))
+
+    def note_retry(self, job: str, prompt_id: str, gpu: int, reason: str) -> bool:
+        """Count a retry and refresh the prompt's in-flight mark. False when it is already done."""
+        k = JobKeys(job)
+        return bool(self._scripts["retry"](keys=[k.done, k.inflight(gpu), k.counters],
+                                           args=[prompt_id, reason, gpu]))
+
+    def requeue_failed(self, job: str, records: Sequence[tuple[str, str]]) -> tuple[int, int]:
+        """Move failed prompts, given as (id, registry record exactly as read), back to the
+        front of pending. Returns (moved, missing); see requeue_failed.lua."""
+        k = JobKeys(job)
+        argv = [x for pair in records for x in pair]
+        moved, missing = self._scripts["requeue_failed"](
+            keys=[k.config, k.failed, k.pending, k.done, k.prompts, k.counters], args=argv)
+        return int(moved), int(missing)
+
+    def failed_records(self, job: str) -> Iterable[tuple[str, str]]:
+        """(id, raw record JSON) for every prompt in the failed registry, by HSCAN."""
+        for prompt_id, raw in self.r.hscan_iter(JobKeys(job).failed, count=1000):
+            yield _s(prompt_id), _s(raw)
 
     def record_batch(self, job: str, name: str, record: dict, stats: dict[str, int] | None = None) -> bool:
         """Enter a batch in the manifest; `stats` (counter -> increment) is added with it, once."""

@@ -1,6 +1,7 @@
--- Move a prompt to the failed registry (a permanent error, or retries exhausted).
--- KEYS: done, inflight(gpu), failed, counters     ARGV: id, record_json
--- Returns 1 when newly failed, 0 when already done or already failed.
+-- Move a prompt to the failed registry (a permanent error, or its transient retries exhausted).
+-- KEYS: done, inflight(gpu), failed, counters, failures     ARGV: id, record_json
+-- The prompt's messages stay in `prompts`, so `manage.py retry-failed` can dispatch it again.
+-- Returns 1 when newly failed, 0 when already done or already failed (the record is updated).
 local id = ARGV[1]
 redis.call('ZREM', KEYS[2], id)
 if redis.call('SISMEMBER', KEYS[1], id) == 1 then
@@ -8,6 +9,7 @@ if redis.call('SISMEMBER', KEYS[1], id) == 1 then
 end
 if redis.call('HSET', KEYS[3], id, ARGV[2]) == 1 then
   redis.call('HINCRBY', KEYS[4], 'failed', 1)
+  redis.call('HINCRBY', KEYS[5], id, 1)
   return 1
 end
 return 0

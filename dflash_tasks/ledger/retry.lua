@@ -1,0 +1,14 @@
+-- Before a prompt's transient failure is retried: count the retry, and keep the prompt's place in
+-- its GPU's in-flight set fresh (the window counts it while it waits; the reaper leaves it alone).
+-- KEYS: done, inflight(gpu), counters     ARGV: id, reason, gpu
+-- Returns 0 when the prompt is already done (another delivery finished it): nothing to retry.
+local id = ARGV[1]
+if redis.call('SISMEMBER', KEYS[1], id) == 1 then
+  redis.call('ZREM', KEYS[2], id)
+  return 0
+end
+redis.call('ZADD', KEYS[2], 'XX', redis.call('TIME')[1], id)
+redis.call('HINCRBY', KEYS[3], 'retries', 1)
+redis.call('HINCRBY', KEYS[3], 'retry:' .. ARGV[2], 1)
+redis.call('HINCRBY', KEYS[3], 'gpu:' .. ARGV[3] .. ':retries', 1)
+return 1
