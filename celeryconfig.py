@@ -4,17 +4,27 @@ Values that depend on the deployment come from DFLASH_* environment variables (s
 """
 from datetime import timedelta
 
+from dflash_tasks import transport as _transport
 from dflash_tasks.settings import get_settings
 
 _s = get_settings()
 
 broker_url = _s.redis_url
 result_backend = _s.redis_url
+# kombu's Redis transport, except that a queue entry that is not a kombu message is logged and
+# dropped, and a lost Redis connection is reconnected, instead of either ending the worker
+# (dflash_tasks/transport.py). Registered as the transport of redis:// (and rediss://) URLs
+# rather than named in broker_transport: the broker URL keeps its redis:// scheme for the tools
+# that read it (Flower's queue lengths), and kombu, which re-reads the transport from the URL's
+# scheme when it reconnects, keeps using it after a Redis restart.
+_transport.register()
 include = ["dflash_tasks.tasks.generate", "dflash_tasks.tasks.control"]
 
-# JSON only: a worker never unpickles what it reads from the broker.
+# JSON only: a worker never unpickles what it reads from the broker. A message in another
+# serializer (or whose body does not decode) is logged and acknowledged once, never retried.
 task_serializer = "json"
 result_serializer = "json"
+event_serializer = "json"
 accept_content = ["json"]
 result_accept_content = ["json"]
 
@@ -22,14 +32,47 @@ result_accept_content = ["json"]
 # delivered again. The ledger makes the second delivery harmless.
 task_acks_late = True
 task_reject_on_worker_lost = True
+# A worker reserves no more messages than it has threads: while its breaker holds every thread,
+# the rest of its window stays in the broker (visible in Flower), not in the worker's memory.
 worker_prefetch_multiplier = 1
 
 # A message not acknowledged within the visibility timeout is delivered again, running or not:
-# it must exceed the longest generation plus its wait in the worker. Same value for the result
-# backend, or its pub/sub reconnects behave differently.
-broker_transport_options = {"visibility_timeout": _s.visibility_timeout_s}
+# it must exceed the longest a message stays unacknowledged in a worker (Settings.
+# longest_unacked_s: request timeout + retry wait + breaker wait, about 42 minutes by default,
+# against 4 hours; a worker warns at start-up when it does not). A copy delivered anyway is
+# harmless: the ledger records a prompt once. Same value for the result backend, or its pub/sub
+# reconnects behave differently. Workers look for expired messages every
+# unacked_restore_interval_s (kombu's own default scans only every 10th tick of 10 s).
+broker_transport_options = {
+    "visibility_timeout": _s.visibility_timeout_s,
+    "unacked_restore_interval": _s.unacked_restore_interval_s,
+    "unacked_restore_throttle": 1,
+    "socket_keepalive": True,
+    "health_check_interval": 25,
+}
 result_backend_transport_options = {"visibility_timeout": _s.visibility_timeout_s}
+
+# Redis restarts (a day-long run sees them): workers and beat reconnect by themselves, forever.
 broker_connection_retry_on_startup = True
+broker_connection_retry = True
+broker_connection_max_retries = None
+# A publish (a retry, a window top-up, beat's schedule) waits out a Redis restart of up to about
+# five minutes instead of failing: 0, 1, 2, 3, 4, then every 5 s.
+task_publish_retry = True
+task_publish_retry_policy = {"max_retries": 60, "interval_start": 0, "interval_step": 1,
+                             "interval_max": 5}
+# Storing a result retries on connection errors too, then gives up (the row is in the ledger
+# already; a lost result only shows in Flower).
+result_backend_always_retry = True
+result_backend_max_retries = 30
+result_backend_base_sleep_between_retries_ms = 200
+result_backend_max_sleep_between_retries_ms = 10_000
+redis_retry_on_timeout = True
+redis_socket_keepalive = True
+redis_backend_health_check_interval = 25
+# A lost broker connection does not stop the generations running: their rows are recorded
+# through the ledger, and a message redelivered later is skipped as done.
+worker_cancel_long_running_tasks_on_connection_loss = False
 
 # Results are small summaries kept an hour: enough for Flower and debugging, bounded in memory.
 result_expires = 3600

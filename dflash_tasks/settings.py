@@ -38,10 +38,37 @@ class Settings(BaseSettings):
     window_factor: float = 1.5
     default_concurrency: int = 64
 
-    # Retries of transient failures: exponential backoff with full jitter.
+    # Retries of transient failures: exponential backoff with full jitter, back on the same GPU's
+    # queue. Only requests actually sent count (a prompt held back by an open circuit breaker
+    # spends no attempt). 20 retries: even without the breaker, the waits of a prompt add up to
+    # five minutes only about once in 10^5 (the median is 15 minutes). A waiting retry is an
+    # ETA message held unacknowledged in the worker: keep retry_cap_s far below the visibility
+    # timeout.
     retry_base_s: float = 2.0
     retry_cap_s: float = 120.0
-    max_retries: int = 12
+    max_retries: int = 20
+
+    # Circuit breaker, per worker process and server: after this many consecutive transient
+    # failures the worker stops sending requests, probes /health (backoff from probe_base_s to
+    # probe_cap_s) and resumes after breaker_close_after consecutive 200s. A task waits for the
+    # breaker at most breaker_wait_s, then puts its prompt back in the queue (no attempt spent).
+    breaker_threshold: int = 10
+    breaker_close_after: int = 3
+    breaker_probe_base_s: float = 1.0
+    breaker_probe_cap_s: float = 30.0
+    breaker_wait_s: float = 600.0
+
+    # Warm shutdown (SIGTERM): requests in flight get this long to finish, then they are aborted
+    # on the server and their prompts go back to the queue. Below the deployments' stop grace
+    # period (5 minutes in docker-compose.yml and workers/launch_node.py).
+    shutdown_grace_s: float = 240.0
+
+    # A task whose Redis goes away (a Redis restart) retries its ledger writes this long before
+    # giving up; its message is then redelivered after the visibility timeout.
+    redis_outage_s: float = 300.0
+    # How often workers look for unacknowledged messages older than the visibility timeout
+    # (kombu's restore sweep; kombu's default is about every 100 s).
+    unacked_restore_interval_s: int = 10
 
     # Batches: sealed at this many rows or bytes, or when the oldest waiting row is this old.
     batch_rows: int = 1000
@@ -73,6 +100,16 @@ class Settings(BaseSettings):
     # Celery's own redelivery goes first.
     visibility_timeout_s: int = 4 * 3600
     reap_after_s: int = 5 * 3600
+    # A prompt in flight this long with no task message for it anywhere (its GPU's queue, or
+    # unacknowledged in a worker) lost it to a broker crash: beat's maintain dispatches it again.
+    lost_message_grace_s: float = 60.0
+
+    def longest_unacked_s(self) -> float:
+        """The longest a prompt's message can stay unacknowledged in a healthy worker: a request
+        to its timeout, its retry wait, a wait on an open breaker. The visibility timeout must
+        exceed it, or the broker delivers the message again while it is still being worked on."""
+        return (self.connect_timeout_s + self.request_timeout_s + self.retry_cap_s
+                + self.breaker_wait_s)
 
     def sglang_url_for(self, gpu: int) -> str:
         return self.sglang_url or f"http://{self.sglang_host}:{self.sglang_base_port + gpu}"

@@ -1,0 +1,87 @@
+"""kombu's Redis transport with two fixes that keep a worker alive through what a day-long run
+meets. celeryconfig.py registers it for `redis://` URLs (see `register`).
+
+1. A queue entry that is not a kombu message at all (not JSON, JSON without kombu's envelope, a
+   body that is not valid base64) is logged and dropped. kombu 5.7 decodes the envelope of an
+   entry it has just popped (BRPOP) outside any error handler, so one stray `LPUSH gpu0 garbage`
+   ends the worker with "Unrecoverable error". Entries with a valid envelope and a bad body (a
+   pickle payload, a body that does not parse, an unknown task) never get here: Celery logs them
+   and acknowledges them once (`Consumer.on_decode_error`, `on_invalid_task`), never retried.
+
+2. Losing Redis (a restart) does not kill the worker. When Celery closes the lost connection,
+   kombu tries to put the channel's unacknowledged messages back in their queues through that
+   closed connection and fails with an AttributeError that Celery does not expect ("Unrecoverable
+   error", the worker exits). Here a closed connection raises the transport's ConnectionError,
+   which Celery handles by reconnecting, and the restore is skipped with a log line: those
+   messages are still in Redis's `unacked` hash and come back after the visibility timeout (while
+   their tasks, still running, record their rows; the redelivered copies are skipped as done).
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import redis
+from kombu.transport import redis as kombu_redis
+
+log = logging.getLogger(__name__)
+
+
+class UndecodableEnvelope(Exception):
+    """A queue entry whose kombu envelope cannot be read."""
+
+
+class Message(kombu_redis.Channel.Message):
+    def __init__(self, payload, channel=None, **kwargs):
+        try:
+            super().__init__(payload, channel=channel, **kwargs)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise UndecodableEnvelope(f"{type(exc).__name__}: {exc}; entry: "
+                                      f"{json.dumps(payload)[:300]}") from exc
+
+
+class QoS(kombu_redis.QoS):
+    def restore_unacked(self, client=None):
+        try:
+            return super().restore_unacked(client)
+        except self.channel.connection_errors as exc:
+            log.warning("broker connection lost: %d unacknowledged message(s) stay in Redis and "
+                        "come back after the visibility timeout (%s)", len(self._delivered), exc)
+            self._delivered.clear()
+            return []
+
+
+class Channel(kombu_redis.Channel):
+    Message = Message
+    QoS = QoS
+
+    def _connparams(self, asynchronous=False):
+        # The channel outlives its connection: acks of tasks that were running when Redis went
+        # away come here after Celery closed that connection.
+        if getattr(self.connection, "client", None) is None:
+            raise redis.ConnectionError("the broker connection is closed")
+        return super()._connparams(asynchronous=asynchronous)
+
+    def _brpop_read(self, **options):
+        try:
+            return super()._brpop_read(**options)
+        except (json.JSONDecodeError, UnicodeDecodeError, UndecodableEnvelope) as exc:
+            doc = getattr(exc, "doc", None)
+            log.error("dropped a queue entry that is not a kombu message: %s%s", exc,
+                      f"; entry: {doc[:300]!r}" if isinstance(doc, str) else "")
+            return None
+
+
+class Transport(kombu_redis.Transport):
+    Channel = Channel
+
+
+def register() -> None:
+    """Make `redis://` (and `rediss://`) URLs use this transport in this process. An alias, not
+    Celery's `broker_transport`: kombu re-reads the transport from the URL's scheme when it
+    reconnects (`Connection.switch`), which would bring back the unpatched one after the first
+    Redis restart."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    for scheme in ("redis", "rediss"):
+        TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"
