@@ -3,10 +3,13 @@ of tasks; every finished task tops its own queue up from the job's pending list.
 million-message backlog sits in the broker, and a faster GPU simply takes more prompts."""
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import math
 import time
 
+import redis
 from celery import Celery
 
 from .connections import ledger, redis_client
@@ -14,6 +17,8 @@ from .keys import WORKERS, JobKeys, queue_for
 from .settings import get_settings
 
 GENERATE = "dflash_tasks.generate"
+UNACKED = "unacked"   # kombu's Redis transport: delivered, not yet acknowledged messages
+log = logging.getLogger(__name__)
 _CAPACITY_TTL_S = 30.0
 _capacity_cache: dict[int, tuple[float, int]] = {}
 
@@ -51,14 +56,79 @@ def topup(app: Celery, job: str, gpu: int) -> int:
 
 
 def reap(app: Celery, job: str, gpu: int, older_than_s: float) -> int:
-    """Dispatch again the prompts dispatched long ago and still not done: their message was lost
-    (a broker restart without persistence). A copy that still exists is harmless: the ledger
-    counts a prompt once."""
+    """Dispatch again the prompts in flight on `gpu` whose message is gone; returns how many.
+
+    Two ways to be gone: (1) in flight for `older_than_s` (a broker restart without persistence
+    loses every message); (2) in flight for `lost_message_grace_s` with no message for it in the
+    GPU's queue nor among the broker's unacknowledged messages, on two looks a second apart. (2)
+    happens even with persistence: a Redis crash between a worker's BRPOP and its write of the
+    unacknowledged record, a BRPOP reply lost with the connection, a top-up whose publish failed
+    after it took the ids. A copy that still exists somewhere is harmless: the ledger counts a
+    prompt once."""
     r = redis_client()
     key = JobKeys(job).inflight(gpu)
     now = time.time()
-    stale = [m.decode() for m in r.zrangebyscore(key, "-inf", now - older_than_s, start=0, num=10_000)]
-    if stale:
-        r.zadd(key, {m: now for m in stale}, xx=True)
-        publish(app, job, gpu, stale)
-    return len(stale)
+    stale = {m.decode() for m in r.zrangebyscore(key, "-inf", now - older_than_s, start=0, num=10_000)}
+    lost = find_lost(r, job, gpu, get_settings().lost_message_grace_s) - stale
+    if lost:
+        log.warning("job %s gpu%d: %d prompt(s) in flight without a message anywhere "
+                    "(a broker crash lost them); dispatching them again", job, gpu, len(lost))
+    again = sorted(stale | lost)
+    if again:
+        r.zadd(key, {m: now for m in again}, xx=True)
+        publish(app, job, gpu, again)
+    return len(again)
+
+
+def find_lost(r: redis.Redis, job: str, gpu: int, grace_s: float) -> set[str]:
+    """Ids in flight on `gpu` for `grace_s` or more whose task message is neither in the GPU's
+    queue nor unacknowledged in any worker (ETA retries included), on two looks."""
+    key = JobKeys(job).inflight(gpu)
+    cutoff = time.time() - grace_s
+    old = {m.decode() for m in r.zrangebyscore(key, "-inf", cutoff, start=0, num=10_000)}
+    if not old:
+        return set()
+    missing = old - messages_present(r, job, gpu)
+    if not missing:
+        return set()
+    time.sleep(1.0)  # a message between BRPOP and its unacked record shows on the second look
+    missing -= messages_present(r, job, gpu, fresh=True)
+    if not missing:
+        return set()
+    scores = r.zmscore(key, sorted(missing))
+    return {m for m, score in zip(sorted(missing), scores) if score is not None and score <= cutoff}
+
+
+_unacked_cache: tuple[float, set[tuple[str, str]]] = (0.0, set())
+
+
+def messages_present(r: redis.Redis, job: str, gpu: int, fresh: bool = False) -> set[str]:
+    """Prompt ids of `job` with a generate message in queue gpuN or unacknowledged anywhere.
+    The unacknowledged set is read once for all GPUs of a maintain run (cached 5 s)."""
+    global _unacked_cache
+    present = {pid for j, pid in map(_job_and_id, r.lrange(queue_for(gpu), 0, -1)) if j == job}
+    at, unacked = _unacked_cache
+    if fresh or time.monotonic() - at > 5.0:
+        unacked = set()
+        for _, raw in r.hscan_iter(UNACKED, count=1000):
+            try:
+                unacked.add(_job_and_id(json.loads(raw)[0]))
+            except (ValueError, IndexError, KeyError, TypeError):
+                continue
+        _unacked_cache = (time.monotonic(), unacked)
+    return present | {pid for j, pid in unacked if j == job}
+
+
+def _job_and_id(entry) -> tuple[str, str]:
+    """(job, prompt id) of a generate task message in kombu's envelope; ("", "") otherwise."""
+    try:
+        payload = json.loads(entry) if isinstance(entry, (bytes, str)) else entry
+        if payload.get("headers", {}).get("task") != GENERATE:
+            return "", ""
+        body = payload["body"]
+        if payload.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        return str(args[0]), str(args[1])
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return "", ""

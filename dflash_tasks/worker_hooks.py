@@ -78,3 +78,31 @@ def _fill_queues(sender, **_):
             for gpu in gpus:
                 if gpu < job.gpus:
                     dispatch.topup(sender.app, name, gpu)
+
+
+@signals.worker_shutting_down.connect
+def _begin_shutdown(sig=None, how=None, **_):
+    """Warm shutdown: tasks not yet sending hand their prompts back at once, requests in flight
+    get shutdown_grace_s, then are aborted and handed back (shutdown.py)."""
+    from . import shutdown
+
+    shutdown.begin(get_settings().shutdown_grace_s if how == "Warm" else 0.0)
+
+
+@signals.celeryd_after_setup.connect
+def _check_failure_settings(sender, instance, conf, **_):
+    """Say at start-up when the visibility timeout is shorter than the longest a message can
+    legitimately stay unacknowledged (it is then delivered again while still being worked on:
+    harmless for the output, wasteful for the GPU)."""
+    if not gpus_consumed(instance.app):
+        return
+    s = get_settings()
+    if s.visibility_timeout_s < s.longest_unacked_s():
+        log.warning("DFLASH_VISIBILITY_TIMEOUT_S=%d is shorter than the longest a prompt's message "
+                    "can stay unacknowledged here (%.0fs: request timeout + retry wait + breaker "
+                    "wait): long tasks will be delivered twice (the ledger keeps one row)",
+                    s.visibility_timeout_s, s.longest_unacked_s())
+    for gpu in gpus_consumed(instance.app):
+        from .breaker import publish_closed
+
+        publish_closed(gpu, s.sglang_url_for(gpu))

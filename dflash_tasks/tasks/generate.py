@@ -1,11 +1,39 @@
-"""The prompt task: one prompt, one SGLang request, one ledger entry, then refill the window."""
+"""The prompt task: one prompt, one SGLang request, one ledger entry, then refill the window.
+
+What each failure does (docs/WHEN_THINGS_FAIL.md has the operator's side):
+
+- transient (`sglang.TransientError`: refused/reset connections, timeouts, 429/5xx, a body that
+  is not SGLang's JSON, an aborted request): retried with exponential backoff and full jitter, on
+  the same GPU's queue, up to `max_retries` attempts; then the prompt goes to the failed registry
+  with its last error (class "transient": `retry-failed` brings it back);
+- permanent (`sglang.PermanentError`: HTTP 400 such as a prompt longer than the context, 404,
+  a 200 without choices): straight to the failed registry with the server's message;
+- the server stops answering: the worker's circuit breaker (breaker.py) opens, and tasks wait
+  *before* sending their request, so they spend no attempt; after `breaker_wait_s` a task puts
+  its prompt back in the queue and frees its thread;
+- Redis goes away mid-task (a restart): ledger writes are retried for `redis_outage_s`; every
+  write is idempotent per prompt id, so a write that succeeded before the reply was lost is not
+  counted twice;
+- warm shutdown (shutdown.py): a prompt not sent yet goes back to its queue at once, a request in
+  flight gets `shutdown_grace_s`, then is aborted and its prompt goes back.
+
+`attempts` counts requests actually sent for the prompt in this round; it travels in the task's
+kwargs (`tries` = failed requests so far), not in Celery's retry count, which also counts the
+hand-backs that sent nothing.
+"""
 from __future__ import annotations
 
 import logging
 import random
 import threading
 import time
+from typing import Callable, TypeVar
 
+import redis
+from celery.exceptions import Reject
+
+from .. import breaker as breakers
+from .. import shutdown
 from ..celery_app import app
 from ..connections import ledger
 from ..dispatch import GENERATE, topup
@@ -19,6 +47,13 @@ from .. import worker_hooks  # noqa: F401  (registers the worker's start-up sign
 log = logging.getLogger(__name__)
 _clients: dict[str, SGLangClient] = {}
 _clients_lock = threading.Lock()
+T = TypeVar("T")
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError is a ConnectionError
+
+
+class PromptFailed(Exception):
+    """Raised after a prompt was entered in the failed registry, so Flower lists the task as
+    FAILURE with the reason; declared in `throws`, so Celery logs it without a traceback."""
 
 
 def client_for(gpu: int) -> SGLangClient:
@@ -33,6 +68,11 @@ def client_for(gpu: int) -> SGLangClient:
         return _clients[url]
 
 
+def breaker_for(gpu: int) -> breakers.CircuitBreaker:
+    client = client_for(gpu)
+    return breakers.breaker_for(gpu, client.base_url, client.healthy)
+
+
 def backoff_s(retries: int) -> float:
     """Exponential backoff with full jitter: spreads the retries of many prompts that failed
     together (a server restart) instead of sending them back at once."""
@@ -40,50 +80,102 @@ def backoff_s(retries: int) -> float:
     return random.uniform(0, min(s.retry_cap_s, s.retry_base_s * 2 ** retries))
 
 
-@app.task(name=GENERATE, bind=True, max_retries=None)
-def generate(self, job: str, prompt_id: str, gpu: int) -> dict:
+def durable(what: str, fn: Callable[..., T], *args, **kwargs) -> T:
+    """Run a Redis operation, waiting out a Redis restart for up to `redis_outage_s`. Only for
+    operations that are idempotent per prompt (every ledger script is)."""
+    deadline = time.monotonic() + get_settings().redis_outage_s
+    delay = 0.5
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except REDIS_DOWN as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("Redis unavailable during %s (%s); retrying in %.1fs", what, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
+@app.task(name=GENERATE, bind=True, max_retries=None, throws=(PromptFailed,))
+def generate(self, job: str, prompt_id: str, gpu: int, tries: int = 0) -> dict:
     book = ledger()
     try:
-        state = book.task_state(job, prompt_id)
+        if shutdown.requested():
+            raise Reject("worker shutting down: prompt returned to its queue", requeue=True)
+        state = durable("reading the prompt", book.task_state, job, prompt_id)
         if state.done:
             book.drop_inflight(job, gpu, prompt_id)
             return {"id": prompt_id, "skipped": "already done"}
+        if state.failed:
+            book.drop_inflight(job, gpu, prompt_id)
+            return {"id": prompt_id, "skipped": "in the failed registry (see retry-failed)"}
         if state.messages is None or state.params is None:
             book.drop_inflight(job, gpu, prompt_id)
-            return {"id": prompt_id, "skipped": "not pending (failed or job removed)"}
+            return {"id": prompt_id, "skipped": "not pending (job removed)"}
         params = GenerationParams.from_dict(state.params)
-        attempts = self.request.retries + 1
+        s = get_settings()
         client = client_for(gpu)
-        rid = f"{job}:{prompt_id}:{attempts}"
+        circuit = breaker_for(gpu)
+        if not circuit.wait_closed(s.breaker_wait_s):
+            # Nothing was sent: the prompt goes back to the queue with its attempts unspent, and
+            # this thread is free (the visibility timeout never runs out on a waiting message).
+            why = "worker shutting down" if shutdown.requested() else \
+                f"server unavailable for {s.breaker_wait_s:.0f}s (circuit open)"
+            raise Reject(f"{why}: prompt returned to its queue", requeue=True)
+
+        attempt = tries + 1
+        rid = f"{job}:{prompt_id}:{attempt}:{(self.request.id or '')[:8]}"
         try:
-            completion = client.chat(state.messages, max_tokens=params.max_tokens,
-                                     temperature=params.temperature, top_p=params.top_p,
-                                     top_k=params.top_k, enable_thinking=params.enable_thinking,
-                                     rid=rid)
+            with shutdown.tracked(rid, lambda: client.abort(rid)):
+                completion = client.chat(state.messages, max_tokens=params.max_tokens,
+                                         temperature=params.temperature, top_p=params.top_p,
+                                         top_k=params.top_k, enable_thinking=params.enable_thinking,
+                                         rid=rid)
         except TransientError as exc:
             if exc.reason == "timeout":
                 client.abort(rid)  # or the server keeps decoding for nobody
-            if self.request.retries < get_settings().max_retries:
-                log.info("prompt %s on gpu%d: %s; retry %d", prompt_id, gpu, exc, attempts)
-                raise self.retry(exc=exc, countdown=backoff_s(self.request.retries),
-                                 queue=queue_for(gpu))
-            return _fail(job, prompt_id, gpu, exc, attempts)
+            if shutdown.requested():
+                raise Reject(f"worker shutting down ({exc.reason}): prompt returned to its queue",
+                             requeue=True) from None
+            circuit.record_failure(str(exc))
+            if attempt <= s.max_retries:
+                if not durable("counting a retry", book.note_retry, job, prompt_id, gpu, exc.reason):
+                    return {"id": prompt_id, "skipped": "done by another delivery"}
+                countdown = backoff_s(tries)
+                log.info("prompt %s on gpu%d: %s; retry %d/%d in %.1fs", prompt_id, gpu, exc,
+                         attempt, s.max_retries, countdown)
+                raise self.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
+                                 args=(job, prompt_id, gpu), kwargs={"tries": attempt})
+            _fail(job, prompt_id, gpu, exc, attempt)
         except PermanentError as exc:
-            return _fail(job, prompt_id, gpu, exc, attempts)
+            circuit.record_success()  # the server answered
+            _fail(job, prompt_id, gpu, exc, attempt)
+        circuit.record_success()
         row = build_row(prompt_id, state.messages, completion, job=job, gpu=gpu, params=params,
-                        attempts=attempts)
-        recorded = book.complete(job, prompt_id, gpu, row)
+                        attempts=attempt)
+        recorded = durable("recording the row", book.complete, job, prompt_id, gpu, row)
         return {"id": prompt_id, "finish_reason": completion.finish_reason,
-                "completion_tokens": completion.completion_tokens,
+                "completion_tokens": completion.completion_tokens, "attempts": attempt,
                 **({} if recorded else {"skipped": "duplicate delivery"})}
     finally:
+        _refill(job, gpu)
+
+
+def _refill(job: str, gpu: int) -> None:
+    if shutdown.requested():
+        return  # the next worker (or beat's maintain) refills; this one takes nothing new
+    try:
         topup(app, job, gpu)
+    except Exception as exc:  # Redis away: beat's maintain tops the window up within 30 s
+        log.warning("gpu%d: could not top up job %s's window (%s)", gpu, job, exc)
 
 
-def _fail(job: str, prompt_id: str, gpu: int, exc: SGLangError, attempts: int) -> dict:
-    record = {"id": prompt_id, "reason": exc.reason, "transient": exc.transient,
+def _fail(job: str, prompt_id: str, gpu: int, exc: SGLangError, attempts: int) -> None:
+    record = {"id": prompt_id, "reason": exc.reason,
+              "class": "transient" if exc.transient else "permanent",
               "error": str(exc)[:2000], "status": exc.status, "attempts": attempts, "gpu": gpu,
-              "at": time.time()}
-    ledger().fail(job, prompt_id, gpu, record)
-    log.warning("prompt %s failed on gpu%d after %d attempt(s): %s", prompt_id, gpu, attempts, exc)
-    return {"id": prompt_id, "failed": exc.reason}
+              "at": round(time.time(), 3)}
+    durable("recording a failure", ledger().fail, job, prompt_id, gpu, record)
+    log.warning("prompt %s failed (%s) on gpu%d after %d attempt(s): %s", prompt_id,
+                record["class"], gpu, attempts, exc)
+    raise PromptFailed(f"{exc.reason}: {exc}")
