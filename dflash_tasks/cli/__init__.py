@@ -12,6 +12,8 @@ import click
 COMMANDS = {
     "enqueue": "dflash_tasks.cli.run:enqueue",
     "status": "dflash_tasks.cli.run:status",
+    "failed": "dflash_tasks.cli.failures:failed",
+    "retry-failed": "dflash_tasks.cli.failures:retry_failed",
     "export": "dflash_tasks.cli.output:export",
     "validate": "dflash_tasks.cli.validate:validate",
     "jobs": "dflash_tasks.cli.jobs:list_jobs",

@@ -1,0 +1,98 @@
+"""Failures: `failed` (the registry, grouped by reason) and `retry-failed` (put prompts back)."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import click
+from rich.table import Table
+
+from .common import console, err_console, job_or_fail, redis_or_fail
+
+_REASON_HELP = ("A reason (invalid_request, model_not_found, empty_response, unavailable, timeout, "
+                "bad_response, aborted) or a class (transient, permanent). [all]")
+
+
+def _when(ts) -> str:
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+@click.command()
+@click.option("--job", "name", required=True)
+@click.option("--json", "as_json", is_flag=True, help="Everything, machine-readable.")
+@click.option("--limit", type=click.IntRange(min=0), default=10, show_default=True,
+              help="Prompts listed per reason (the JSON lists all).")
+def failed(name: str, as_json: bool, limit: int) -> None:
+    """A job's failed registry, grouped by reason, with the retry counters and each GPU
+    worker's circuit breaker."""
+    from ..failures import summary
+
+    r = redis_or_fail()
+    job_or_fail(r, name)
+    data = summary(r, name)
+    if as_json:
+        click.echo(json.dumps(data, indent=1, ensure_ascii=False))
+        return
+    by_class = ", ".join(f"{k} {v:,}" for k, v in sorted(data["by_class"].items())) or "none"
+    console.print(f"[bold]job {name}[/]: {data['failed']:,} failed ({by_class}); "
+                  f"{data['retries']:,} transient retries so far"
+                  + (" (" + ", ".join(f"{k} {v:,}" for k, v in sorted(data["retries_by_reason"].items()))
+                     + ")" if data["retries_by_reason"] else "")
+                  + (f"; {data['requeued']:,} re-queued by retry-failed" if data["requeued"] else ""))
+    for reason, group in data["reasons"].items():
+        t = Table(title=f"{reason} ({group['class']}): {group['count']:,} prompts, "
+                        + ", ".join(f"{g} {n:,}" for g, n in group["gpus"].items()),
+                  title_justify="left", show_lines=False)
+        for col in ("id", "gpu", "attempts", "times failed", "at", "error"):
+            t.add_column(col, overflow="fold")
+        for rec in group["prompts"][:limit]:
+            t.add_row(str(rec.get("id")), f"gpu{rec.get('gpu')}", str(rec.get("attempts", "")),
+                      str(rec.get("failures", 1)), _when(rec.get("at")),
+                      (rec.get("error") or "")[:300])
+        console.print(t)
+        if group["count"] > limit:
+            console.print(f"  ... and {group['count'] - limit:,} more (--limit, or --json)")
+    for gpu, b in data["breakers"].items():
+        state = b.get("state", "?")
+        style = "red" if state == "open" else "green"
+        extra = (f" since {_when(b.get('opened_at'))}, last error: {b.get('last_error')}"
+                 if state == "open" else f" (opened {b.get('times_opened', 0)} times)")
+        console.print(f"{gpu} circuit breaker: [{style}]{state}[/]{extra}")
+    if data["failed"]:
+        console.print(f"Put them back with: python manage.py retry-failed --job {name} "
+                      "[--reason REASON] [--gpu I]")
+
+
+@click.command("retry-failed")
+@click.option("--job", "name", required=True)
+@click.option("--reason", help=_REASON_HELP)
+@click.option("--gpu", type=click.IntRange(min=0), help="Only prompts that failed on GPU I. [all]")
+@click.option("--dry-run", is_flag=True, help="Only say what would be re-queued.")
+@click.option("--json", "as_json", is_flag=True, help="The report, machine-readable.")
+def retry_failed(name: str, reason: str | None, gpu: int | None, dry_run: bool, as_json: bool) -> None:
+    """Dispatch failed prompts again. Each leaves the registry in the same atomic step that puts
+    it back in the job's dispatch list, so running this twice never sends a prompt twice."""
+    from ..celery_app import app
+    from ..failures import retry_failed as run
+
+    r = redis_or_fail()
+    job = job_or_fail(r, name)
+    report = run(app, r, name, reason=reason, gpu=gpu, dry_run=dry_run)
+    if as_json:
+        click.echo(json.dumps({"job": name, "dry_run": dry_run, **report.as_dict()}))
+        return
+    verb = "would re-queue" if dry_run else "re-queued"
+    detail = ", ".join(f"{k} {v:,}" for k, v in sorted(report.by_reason.items()))
+    console.print(f"job {name}: {verb} {report.requeued:,} prompts" + (f" ({detail})" if detail else ""))
+    if report.missing:
+        err_console.print(f"[yellow]{report.missing:,} left in the registry: their prompt text is "
+                          "no longer stored (enqueue the dataset again to restore it)[/]")
+    if report.skipped_changed:
+        err_console.print(f"{report.skipped_changed:,} changed while this ran (another retry-failed, "
+                          "or they just failed again); run it again to include them")
+    if report.requeued and not dry_run and report.status != "running":
+        err_console.print(f"[yellow]job {name} is {report.status}: they are queued and will be "
+                          "dispatched when it runs again[/]")
+    elif report.requeued and not dry_run:
+        console.print(f"{report.dispatched:,} sent to GPU queues now, the rest as slots free up "
+                      f"(watch: python manage.py status --job {job.name})")
