@@ -43,7 +43,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .batches import progress_key, read_batch
 from .storage import LocalStorage, Storage, StorageNotFound
 from .training_data.gate import Rules, check_row
-from .training_data.reader import NoManifest, manifest_records
+from .training_data.reader import NoManifest, job_storage, manifest_records
 from .training_data.tokens import ChatTemplate, TokenizeError, tokenize_row
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class JobDataset(IterableDataset):
     # -- where and who ---------------------------------------------------------------------------
 
     def _storage(self) -> Storage:
+        """The job's storage; a directory written by `manage.py export` works too."""
         if self.source is None:
             from .settings import get_settings
             from .storage import storage_for
@@ -137,7 +138,7 @@ class JobDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[dict]:
         shard, shards = self.shard()
-        storage, template = self._storage(), self._template()
+        storage, template = job_storage(self._storage(), self.job), self._template()
         self.stats = Counter()
         known: list[str] = []
         seen: set[str] = set()

@@ -327,6 +327,10 @@ def test_pipeline_rows_pass_validate_and_export_in_every_format(cluster, tmp_pat
     assert json.loads((tmp_path / "all" / "export_report.json").read_text())["kept"] == 52, kept.stdout
     c.manage("export", "--job", "td", "--to", str(tmp_path / "raw"))
     assert (tmp_path / "raw" / "manifest.json").exists()
+    # ... and what it downloaded can be checked where it lies, with no Redis and no S3.
+    again = json.loads(c.manage("validate", "--job", "td", "--from", str(tmp_path / "raw"),
+                                "--json").stdout)
+    assert again["rows"] == 52 and again["passed"]
 
 
 def test_a_bad_run_shows_in_progress_json_within_its_first_ticks(cluster, tmp_path):

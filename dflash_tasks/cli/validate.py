@@ -46,11 +46,12 @@ def training_options(f):
                              "report what was dropped and why.")(f)
 
 
-def _storage(source: str | None):
+def _storage(source: str | None, name: str):
     from ..storage import storage_at, storage_for
+    from ..training_data.reader import job_storage
 
     s = get_settings()
-    return storage_at(source, s) if source else storage_for(s)
+    return job_storage(storage_at(source, s) if source else storage_for(s), name)
 
 
 def _template(path: Path | None):
@@ -87,7 +88,7 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
                   th) -> None:
     lt = figures["loss_tokens"]
     t = Table(title=f"quality gate of job {name}", show_header=False, box=None)
-    t.add_row("from", where)
+    t.add_row("manifest", where)
     if state:
         t.add_row("job", f"{state.get('status')}, {state.get('completed', 0):,} completed"
                   + ("" if state.get("status") == "done" else " (still generating: this checks "
@@ -180,13 +181,13 @@ def validate(name: str, source: str | None, tokenizer: Path | None, min_loss_tok
     from ..training_data.reader import NoManifest
 
     _check_name(name)
-    storage = _storage(source)
+    storage = _storage(source, name)
     template = _template(tokenizer)
     rules = Rules(min_loss_tokens=min_loss_tokens, max_length=max_length,
                   keep_truncated=keep_truncated)
     th = Thresholds(**limits)
     try:
-        with err_console.status(f"reading {name} from {storage.location(name)} ...") as spin:
+        with err_console.status(f"reading {storage.location(name + '/manifest.json')} ...") as spin:
             n = [0]
 
             def on_batch(rec: dict) -> None:
@@ -205,7 +206,7 @@ def validate(name: str, source: str | None, tokenizer: Path | None, min_loss_tok
                                "failures": failures, "thresholds": th.__dict__,
                                "job_status": state.get("status") if state else None}, indent=1))
     else:
-        _print_report(name, storage.location(name), figures, failures, state, th)
+        _print_report(name, storage.location(f"{name}/manifest.json"), figures, failures, state, th)
     if failures:
         err_console.print(f"validate: job {name} FAILS the quality gate:\n"
                           + "\n".join(f"  - {f}" for f in failures), highlight=False)
@@ -222,7 +223,7 @@ def export_format(name: str, dest: Path, source: str | None, *, fmt: str, tokeni
     from ..training_data.reader import NoManifest
 
     _check_name(name)
-    storage = _storage(source)
+    storage = _storage(source, name)
     template = _template(tokenizer)
     rules = Rules(min_loss_tokens=min_loss_tokens, max_length=max_length,
                   keep_truncated=keep_truncated)
@@ -244,7 +245,7 @@ def export_format(name: str, dest: Path, source: str | None, *, fmt: str, tokeni
         raise click.ClickException(str(exc)) from None
     summary = out.summary()
     t = Table(title=f"export of job {name} as {fmt}", show_header=False, box=None)
-    t.add_row("from", storage.location(name))
+    t.add_row("manifest", storage.location(f"{name}/manifest.json"))
     t.add_row("to", str(out.path))
     t.add_row("rows read", f"{summary['rows_read']:,} ({summary['unique_ids']:,} unique ids)")
     t.add_row("kept", f"{out.kept:,}")

@@ -12,21 +12,55 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from pathlib import Path
+
 from ..batches import read_batch, read_manifest
-from ..storage import Storage, StorageNotFound
+from ..storage import LocalStorage, Storage, StorageNotFound
 
 
 class NoManifest(RuntimeError):
     pass
 
 
+class ExportedJob(LocalStorage):
+    """A directory written by `manage.py export --to DIR` (DIR/manifest.json, DIR/batches/...)
+    read as if it were the job's storage (<job>/manifest.json, <job>/batches/...)."""
+
+    def __init__(self, root: Path, job: str):
+        super().__init__(root)
+        self.job = job
+
+    def _rel(self, key: str) -> str:
+        prefix = f"{self.job}/"
+        return key[len(prefix):] if key.startswith(prefix) else key
+
+    def get(self, key: str) -> bytes:
+        return super().get(self._rel(key))
+
+    def exists(self, key: str) -> bool:
+        return super().exists(self._rel(key))
+
+    def location(self, key: str) -> str:
+        return super().location(self._rel(key))
+
+
+def job_storage(storage: Storage, job: str) -> Storage:
+    """`storage` itself, or, for a local directory that holds an export of the job rather than
+    the job's own layout, that export."""
+    if isinstance(storage, LocalStorage) and not isinstance(storage, ExportedJob) \
+            and not storage.exists(f"{job}/manifest.json") and storage.exists("manifest.json"):
+        return ExportedJob(storage.root, job)
+    return storage
+
+
 def manifest_records(storage: Storage, job: str) -> list[dict]:
-    """The manifest's batch records, oldest first."""
+    """The manifest's batch records, oldest first (`storage` as job_storage() returns it)."""
     try:
         manifest = read_manifest(storage, job)
     except StorageNotFound:
         raise NoManifest(f"no manifest for job {job!r} at {storage.location(job + '/manifest.json')}: "
-                         "nothing shipped yet, or the wrong location (--from)") from None
+                         "nothing shipped yet, or the wrong location (--from: the output "
+                         "directory, an s3:// URI, or a directory written by manage.py export)") from None
     return sorted(manifest.get("batches", []), key=lambda rec: rec["name"])
 
 
@@ -41,6 +75,9 @@ class NewestRows:
     limit: int | None = None  # stop after this many rows (the newest ones)
     duplicates: int = 0
     batches: int = 0
+
+    def __post_init__(self) -> None:
+        self.storage = job_storage(self.storage, self.job)
 
     def __iter__(self) -> Iterator[dict]:
         records = self.records if self.records is not None else manifest_records(self.storage, self.job)
