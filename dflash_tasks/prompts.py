@@ -48,6 +48,7 @@ import gzip
 import hashlib
 import io
 import json
+import threading
 import zlib
 from collections.abc import Iterator
 from contextlib import closing
@@ -214,11 +215,13 @@ def _parse_record(number: int, raw: bytes | dict, unit: str) -> Prompt | BadRow:
 
 def _json_object(line: bytes) -> dict:
     try:
-        value = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise _RowError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        text = line.decode("utf-8")  # strict: UTF-8-encoded surrogates are invalid too
     except UnicodeDecodeError as exc:
         raise _RowError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        value = json.loads(text[1:] if text[:1] == "\ufeff" else text)  # a BOM on line 1
+    except json.JSONDecodeError as exc:
+        raise _RowError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(value, dict):
         raise _RowError(f"not a JSON object (got {_kind(value)})")
     if (b"\\ud" in line or b"\\uD" in line) and not _encodable(value):
@@ -318,6 +321,44 @@ def _row_id(row: dict, messages: list[dict]) -> str:
     if value == "":
         raise _RowError("'id' is empty")
     return str(value)
+
+
+# --- messages as stored in Redis -------------------------------------------------------------
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_compact_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_zstd = threading.local()
+
+
+def messages_json(messages: list[dict] | tuple[dict, ...]) -> str:
+    """The compact JSON of a conversation (one encoder, built once)."""
+    return _compact_json(list(messages))
+
+
+def encode_messages(messages: list[dict] | tuple[dict, ...]) -> bytes:
+    """A conversation as the job's `prompts` hash stores it: compact JSON in a zstd frame
+    (level 1: ~1.75x smaller for 1 KB of English, ~8 us; a million pending prompts fit in
+    about 0.7 GB of Redis instead of 1.3 GB)."""
+    return compress_messages_json(messages_json(messages).encode("utf-8"))
+
+
+def compress_messages_json(data: bytes) -> bytes:
+    """The second half of `encode_messages`, for UTF-8 JSON already made (it releases the GIL,
+    so a sender thread can compress while the reader parses)."""
+    c = getattr(_zstd, "c", None)
+    if c is None:
+        c = _zstd.c = zstandard.ZstdCompressor(level=1)
+    return c.compress(data)
+
+
+def decode_messages(raw: bytes | str) -> list[dict]:
+    """The conversation stored by `encode_messages`, or stored as plain JSON (older jobs)."""
+    if isinstance(raw, bytes) and raw[:4] == _ZSTD_MAGIC:
+        d = getattr(_zstd, "d", None)
+        if d is None:
+            d = _zstd.d = zstandard.ZstdDecompressor()
+        raw = d.decompress(raw)
+    return json.loads(raw)
 
 
 def content_id(messages: list[dict] | tuple[dict, ...]) -> str:

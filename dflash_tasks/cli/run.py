@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import time
-from itertools import islice
 from pathlib import Path
 
 import click
@@ -14,8 +13,6 @@ from rich.table import Table
 from .. import jobs
 from ..settings import get_settings
 from .common import console, err_console, job_or_fail, redis_or_fail
-
-CHUNK = 1000
 
 
 # -- enqueue ------------------------------------------------------------------------------------
@@ -40,6 +37,7 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
     from ..celery_app import app
     from ..connections import ledger
     from ..keys import WORKERS, check_job_name
+    from ..loader import CHUNK, PromptLoader
     from ..prompts import DatasetError, ReadSummary, read_prompts
 
     try:
@@ -58,24 +56,26 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
         len([q for q in r.hkeys(WORKERS) if q.startswith(b"gpu")]) or 1
 
     summary = ReadSummary()
-    added = 0
-    book = ledger()
     # Paused while loading, so workers never race ahead of a half-stored job.
     job = jobs.save(r, name, params, gpus=gpus, dataset=str(dataset), status="paused")
+    # Chunks are stored by a sender thread while the next ones are read; on a resume only the
+    # prompts the job does not know yet are encoded and sent (loader.py).
+    loader = PromptLoader(r, ledger(), name, resume=existing is not None)
     try:
         prompts = read_prompts(dataset, limit=limit, summary=summary)
         with Progress(SpinnerColumn(), TextColumn("[bold]reading {task.description}"),
                       TextColumn("{task.completed:,} prompts"), TimeElapsedColumn(),
                       console=err_console, transient=True) as bar:
             task = bar.add_task(dataset.name, total=None)
-            while chunk := list(islice(prompts, CHUNK)):
-                added += book.add_prompts(name, [
-                    (p.id, json.dumps(p.messages, ensure_ascii=False, separators=(",", ":")))
-                    for p in chunk])
-                bar.update(task, advance=len(chunk))
+            added = loader.add_all(prompts, chunk=CHUNK,
+                                   progress=lambda n: bar.update(task, advance=n))
     except DatasetError as exc:
+        loader.close()  # what was read before the error is stored, as a resume would
         jobs.set_status(r, name, existing.status if existing else "paused")
         raise click.ClickException(str(exc)) from None
+    except BaseException:
+        loader.abandon()
+        raise
 
     jobs.set_status(r, name, "running")
     for gpu in range(gpus):

@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 import redis
 
 from ..keys import JobKeys
+from ..prompts import decode_messages
 
 _HERE = Path(__file__).parent
 HIST_BUCKET_TOKENS = 64   # output-length histogram resolution, for percentiles without scans
@@ -59,7 +60,7 @@ class Ledger:
         pipe.hexists(k.failed, prompt_id)
         params, messages, done, failed = pipe.execute()
         return TaskState(params=json.loads(params) if params else None,
-                         messages=json.loads(messages) if messages else None,
+                         messages=decode_messages(messages) if messages else None,
                          done=bool(done), failed=bool(failed))
 
     def drop_inflight(self, job: str, gpu: int, prompt_id: str) -> None:
