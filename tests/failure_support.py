@@ -1,0 +1,83 @@
+"""Helpers shared by the failure tests: datasets, the simulated server's control endpoints, raw
+queue entries, and the exactly-once check that allows for a failed registry."""
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from conftest import write_jsonl
+
+
+def prompts(n: int, prefix: str = "p") -> list[dict]:
+    return [{"id": f"{prefix}{i:05d}", "prompt": f"Question {i}: explain idea number {i * 7919 % 1000}."}
+            for i in range(n)]
+
+
+def dataset(tmp_path: Path, rows: list, name: str = "prompts.jsonl") -> Path:
+    return write_jsonl(tmp_path / name, rows)
+
+
+def sim_stats(url: str) -> dict:
+    return httpx.get(f"{url}/sim/stats", timeout=10).json()
+
+
+def sim_down(url: str, seconds: float) -> None:
+    httpx.post(f"{url}/sim/down", json={"seconds": seconds}, timeout=10).raise_for_status()
+
+
+def counters(c, job: str) -> dict[str, int]:
+    raw = c.r.hgetall(f"dflash:{{{job}}}:counters")
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def failed_registry(c, job: str) -> dict[str, dict]:
+    raw = c.r.hgetall(f"dflash:{{{job}}}:failed")
+    return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+
+def check_books(c, job: str, ok_ids: set[str], failed_ids: set[str] = frozenset()) -> list[dict]:
+    """Every id in ok_ids in exactly one row, every id in failed_ids in the registry, and the
+    counters equal to what the output holds."""
+    rows = c.rows(job)
+    ids = [row["id"] for row in rows]
+    doubled = [i for i, n in Counter(ids).items() if n > 1]
+    assert not doubled, f"ids in two rows: {doubled[:10]}"
+    assert set(ids) == ok_ids, (f"missing: {sorted(ok_ids - set(ids))[:10]}, "
+                                f"unexpected: {sorted(set(ids) - ok_ids)[:10]}")
+    assert set(failed_registry(c, job)) == set(failed_ids)
+    snap = c.status(job)
+    assert snap["completed"] == len(rows)
+    assert snap["failed"] == len(failed_ids)
+    assert snap["total"] == len(ok_ids) + len(failed_ids)
+    assert snap["total_output_tokens"] == sum(r["metadata"]["completion_tokens"] for r in rows)
+    assert snap["total_input_tokens"] == sum(r["metadata"]["prompt_tokens"] for r in rows)
+    assert sum(g["completed"] for g in snap["gpus"].values()) == len(rows)
+    return rows
+
+
+def kombu_entry(body: bytes, content_type: str, queue: str, task: str = "dflash_tasks.generate",
+                args: list | None = None) -> str:
+    """A queue entry in kombu's Redis envelope, as `LPUSH gpuN <entry>` would deliver it."""
+    tid = str(uuid.uuid4())
+    return json.dumps({
+        "body": base64.b64encode(body).decode(),
+        "content-encoding": "utf-8" if content_type == "application/json" else "binary",
+        "content-type": content_type,
+        "headers": {"lang": "py", "task": task, "id": tid, "root_id": tid, "parent_id": None,
+                    "group": None, "retries": 0, "eta": None, "expires": None,
+                    "argsrepr": repr(args or []), "kwargsrepr": "{}", "origin": "test"},
+        "properties": {"correlation_id": tid, "reply_to": "", "delivery_mode": 2,
+                       "delivery_info": {"exchange": "", "routing_key": queue}, "priority": 0,
+                       "body_encoding": "base64", "delivery_tag": str(uuid.uuid4())},
+    })
+
+
+def pickled_task(queue: str, args: list) -> str:
+    return kombu_entry(pickle.dumps((args, {}, {})), "application/x-python-serialize", queue,
+                       args=args)

@@ -1,0 +1,342 @@
+"""Failures, end to end: transient faults retried until every prompt is done, a server that goes
+away and comes back (the circuit breaker), permanent failures in the registry and
+`retry-failed`, undecodable broker messages, and a warm shutdown in the middle of a run.
+Real Redis, real workers, the simulated server's fault injection. (A Redis restart:
+test_redis_restart.py; SIGKILL of a worker: test_pipeline.py.)"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from failure_support import (check_books, counters, dataset, failed_registry, kombu_entry,
+                             pickled_task, prompts, sim_down, sim_stats)
+from support import wait_until
+
+FAST = ("--slots", "40", "--decode-tps", "8000")
+
+
+# -- the pieces, in process ---------------------------------------------------------------------
+
+def _client(handler):
+    from dflash_tasks.sglang import SGLangClient
+
+    client = SGLangClient("http://sglang.test", request_timeout_s=5)
+    client._http = httpx.Client(base_url=client.base_url, transport=httpx.MockTransport(handler))
+    return client
+
+
+CHAT_OK = {"model": "m", "choices": [{"message": {"content": "a", "reasoning_content": "r"},
+                                      "finish_reason": "stop"}],
+           "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+
+
+@pytest.mark.parametrize("answer, reason, transient", [
+    ((400, {"object": "error", "message": "Requested token count exceeds the model's maximum "
+                                          "context length of 8192 tokens."}), "invalid_request", False),
+    ((404, {"object": "error", "message": "The model `x` does not exist."}), "model_not_found", False),
+    ((200, {"model": "m", "choices": [], "usage": {}}), "empty_response", False),
+    ((408, "timeout"), "timeout", True),
+    ((429, "slow down"), "unavailable", True),
+    ((500, "boom"), "unavailable", True),
+    ((502, "<html>bad gateway</html>"), "unavailable", True),
+    ((503, {"object": "error", "message": "The request queue is full."}), "unavailable", True),
+    ((504, "gateway timeout"), "unavailable", True),
+    ((200, "<html>a proxy page</html>"), "bad_response", True),
+    ((200, {"choices": [{"message": {}, "finish_reason": "abort"}], "usage": {}}), "aborted", True),
+    (httpx.ConnectError("refused"), "unavailable", True),
+    (httpx.RemoteProtocolError("Server disconnected without sending a response."), "unavailable", True),
+    (httpx.ReadTimeout("timed out"), "timeout", True),
+])
+def test_every_failure_of_a_request_is_classified(answer, reason, transient):
+    from dflash_tasks.sglang import SGLangError
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if isinstance(answer, Exception):
+            raise answer
+        status, body = answer
+        return (httpx.Response(status, json=body) if isinstance(body, dict)
+                else httpx.Response(status, text=body))
+
+    with pytest.raises(SGLangError) as info:
+        _client(handler).chat([{"role": "user", "content": "hi"}], max_tokens=16)
+    assert (info.value.reason, info.value.transient) == (reason, transient)
+    if reason in ("invalid_request", "model_not_found"):
+        assert answer[1]["message"] in str(info.value)  # the server's own words reach the registry
+
+
+def test_a_good_answer_is_not_an_error():
+    client = _client(lambda request: httpx.Response(200, json={"data": [{"id": "m"}]})
+                     if request.url.path == "/v1/models" else httpx.Response(200, json=CHAT_OK))
+    assert client.chat([{"role": "user", "content": "hi"}], max_tokens=16).content == "a"
+
+
+def test_breaker_opens_on_consecutive_failures_and_closes_after_healthy_probes():
+    from dflash_tasks import shutdown
+    from dflash_tasks.breaker import CircuitBreaker
+
+    health = {"ok": False, "probes": 0}
+
+    def probe():
+        health["probes"] += 1
+        return health["ok"]
+
+    b = CircuitBreaker("test", probe, threshold=3, close_after=2, probe_base_s=0.01, probe_cap_s=0.05)
+    b.record_failure("reset")
+    b.record_failure("reset")
+    b.record_success()                   # not consecutive: stays closed
+    b.record_failure("reset")
+    b.record_failure("reset")
+    assert b.closed and b.wait_closed(0)
+    b.record_failure("refused")
+    assert not b.closed
+    assert not b.wait_closed(0.2)        # open: a task waits, then is told not to send
+    wait_until(lambda: health["probes"] >= 3, timeout=5, what="probes while unhealthy")
+    health["ok"] = True
+    assert b.wait_closed(5)              # two healthy probes in a row close it
+    assert b.closed and b.times_opened == 1
+
+    # Open again right after closing: it stays open longer (a flapping server).
+    for _ in range(3):
+        b.record_failure("503")
+    assert not b.closed and b._min_open_s > 0
+    assert b.wait_closed(5)
+
+    # A shutdown wakes every waiter at once.
+    health["ok"] = False
+    for _ in range(3):
+        b.record_failure("503")
+    waited = []
+    t = threading.Thread(target=lambda: waited.append(b.wait_closed(60)))
+    t.start()
+    try:
+        shutdown.begin(0)
+        t.join(5)
+        assert waited == [False]
+    finally:
+        shutdown.reset_for_tests()
+
+
+def test_backoff_is_full_jitter_under_an_exponential_cap(monkeypatch):
+    from dflash_tasks.settings import get_settings
+    from dflash_tasks.tasks.generate import backoff_s
+
+    s = get_settings()
+    for retries in range(12):
+        cap = min(s.retry_cap_s, s.retry_base_s * 2 ** retries)
+        waits = [backoff_s(retries) for _ in range(200)]
+        assert all(0 <= w <= cap for w in waits)
+        assert max(waits) > cap / 2  # spread over the whole range, not a fixed delay
+    assert s.visibility_timeout_s > s.longest_unacked_s()  # the defaults are consistent
+
+
+# -- the whole system ------------------------------------------------------------------------------
+
+def test_transient_faults_and_garbage_messages_lose_nothing(cluster, tmp_path):
+    """5% 503s, 2% reset connections, 1% hangs past the client timeout: every prompt completes,
+    none fails, each id once. Entries in the GPU queue that are not valid task messages are logged
+    and dropped, and the worker keeps working."""
+    c = cluster(request_timeout_s=4, max_retries=20)
+    c.start_server(0, *FAST, "--fail-503", "0.05", "--reset-rate", "0.02", "--hang-rate", "0.01",
+                   "--seed", "7")
+    worker = c.start_worker(0)
+    c.start_beat()
+
+    # Garbage in the queue before any work: not JSON, a pickled task, a body that is not JSON,
+    # an envelope without kombu's properties. None may kill the worker or loop.
+    for entry in ["this is not a kombu message",
+                  pickled_task("gpu0", ["j", "x", 0]),
+                  kombu_entry(b"{not json", "application/json", "gpu0"),
+                  json.dumps({"body": "e30=", "headers": {}})]:
+        c.r.lpush("gpu0", entry)
+    wait_until(lambda: c.r.llen("gpu0") == 0, timeout=30, what="the worker to read the garbage")
+
+    rows = prompts(500)
+    c.manage("enqueue", "--dataset", str(dataset(tmp_path, rows)), "--job", "flaky",
+             "--max-output-tokens", "2048")
+    c.wait_done("flaky", timeout=240)
+    out = check_books(c, "flaky", {r["id"] for r in rows})
+
+    stats = sim_stats(c.url(0))["errors"]
+    assert stats.get("fault_503", 0) > 0 and stats.get("reset", 0) > 0 and stats.get("hang", 0) > 0
+    n = counters(c, "flaky")
+    faults = stats["fault_503"] + stats["reset"] + stats["hang"]
+    # Every fault was retried (a slow answer past the timeout on this busy machine may add some).
+    assert faults <= n["retries"] <= faults + 25, (n, stats)
+    assert n.get("retry:unavailable", 0) >= stats["fault_503"] and n.get("retry:timeout", 0) >= 1
+    assert max(r["metadata"]["attempts"] for r in out) >= 2
+
+    assert worker.alive()
+    log = worker.log()
+    assert log.count("dropped a queue entry that is not a kombu message") == 2
+    assert "ContentDisallowed" in log  # the pickled task: refused, acknowledged, logged
+    assert "Can't decode message body" in log
+    assert "Unrecoverable error" not in log
+
+
+def test_server_down_for_a_minute_costs_no_prompt_and_no_retry_storm(cluster, tmp_path):
+    """The server goes away for 60 s mid-run. The worker's breaker opens after a few failures,
+    its threads wait without sending, its queued prompts stay in the broker, and it resumes when
+    /health answers again. With only 3 retries allowed, no prompt fails: time spent waiting on
+    the breaker costs no attempt."""
+    c = cluster(max_retries=3, breaker_threshold=5, breaker_probe_cap_s=3)
+    c.start_server(0, "--slots", "40", "--decode-tps", "1500")
+    c.start_worker(0)
+    c.start_beat()
+    rows = prompts(500)
+    c.manage("enqueue", "--dataset", str(dataset(tmp_path, rows)), "--job", "outage",
+             "--max-output-tokens", "2048")
+    wait_until(lambda: c.status("outage")["completed"] >= 60, timeout=120, what="60 completions")
+
+    before = counters(c, "outage")
+    sim_down(c.url(0), 60)
+    time.sleep(2)
+    opened = wait_until(lambda: json.loads(c.r.hget("dflash:breakers", "gpu0") or "{}")
+                        .get("state") == "open", timeout=30, what="the breaker to open")
+    assert opened
+    # While it is down the worker holds no more than its threads' worth, the rest stays queued.
+    wait_until(lambda: c.r.llen("gpu0") > 0, timeout=20, what="prompts queued in the broker")
+    at_open = counters(c, "outage")
+    time.sleep(20)
+    during = counters(c, "outage")
+    assert during.get("completed", 0) == at_open.get("completed", 0)
+    assert during.get("retries", 0) == at_open.get("retries", 0)  # nothing sent while open
+    wait_until(lambda: json.loads(c.r.hget("dflash:breakers", "gpu0"))["state"] == "closed",
+               timeout=120, what="the breaker to close after the server is back")
+    c.wait_done("outage", timeout=240)
+    check_books(c, "outage", {r["id"] for r in rows})
+
+    after = counters(c, "outage")
+    concurrency = json.loads(c.r.hget("dflash:workers", "gpu0"))["concurrency"]
+    outage_retries = after.get("retries", 0) - before.get("retries", 0)
+    # The requests in flight when it went down fail once each; nothing more is sent while open.
+    assert 0 < outage_retries <= concurrency + 10, outage_retries
+    assert after.get("failed", 0) == 0
+
+
+def test_permanent_failures_are_registered_at_once_and_retry_failed_is_idempotent(cluster, tmp_path):
+    """Prompts too long for the context, and malformed ones, are in the failed registry after one
+    attempt each, with the server's message. retry-failed re-queues them exactly once; after a
+    change of max tokens the long ones succeed (counters move from failed to completed), the
+    others fail again, once each, without a loop."""
+    from dflash_tasks.ledger import Ledger
+
+    c = cluster()
+    port = c.start_server(0, *FAST, "--context-length", "8192")
+    c.start_worker(0)
+    c.start_beat()
+    good = prompts(150)
+    long_ok_later = [{"id": f"long{i}", "prompt": " ".join(f"word{j}" for j in range(5000))}
+                     for i in range(3)]
+    too_long = [{"id": "huge", "prompt": " ".join(f"w{j}" for j in range(9000))}]
+    # Malformed prompts the dataset reader would refuse, stored as an older tool might have.
+    malformed = {"empty": "[]", "shapeless": json.dumps(["just a string"])}
+    Ledger(c.r).add_prompts("perm", list(malformed.items()))
+    c.manage("enqueue", "--dataset", str(dataset(tmp_path, good + long_ok_later + too_long)),
+             "--job", "perm", "--max-output-tokens", "4096")
+    c.wait_done("perm", timeout=180)
+
+    bad = {r["id"] for r in long_ok_later + too_long} | set(malformed)
+    check_books(c, "perm", {r["id"] for r in good}, bad)
+    registry = failed_registry(c, "perm")
+    for pid, rec in registry.items():
+        assert (rec["reason"], rec["class"], rec["attempts"], rec["status"]) == \
+               ("invalid_request", "permanent", 1, 400), (pid, rec)
+    assert "maximum context length of 8192" in registry["long0"]["error"]
+    assert "Input length (9" in registry["huge"]["error"]
+    assert "Messages cannot be empty" in registry["empty"]["error"]
+    assert "validation error" in registry["shapeless"]["error"]
+    assert sim_stats(c.url(0))["requests"] == len(good) + len(bad)  # one attempt each, no retry
+    assert counters(c, "perm").get("retries", 0) == 0
+
+    listing = json.loads(c.manage("failed", "--job", "perm", "--json").stdout)
+    assert listing["failed"] == len(bad) and listing["by_class"] == {"permanent": len(bad)}
+    assert set(listing["reasons"]) == {"invalid_request"}
+    assert {p["id"] for p in listing["reasons"]["invalid_request"]["prompts"]} == bad
+    text = c.manage("failed", "--job", "perm").stdout
+    assert "invalid_request (permanent): 6 prompts" in text and "retry-failed --job perm" in text
+
+    # Lower max tokens so the long prompts fit; pause so nothing runs while retry-failed is
+    # checked for idempotency.
+    c.manage("enqueue", "--dataset", str(dataset(tmp_path, good)), "--job", "perm",
+             "--max-output-tokens", "2048")
+    c.manage("pause", "--job", "perm")
+    dry = json.loads(c.manage("retry-failed", "--job", "perm", "--dry-run", "--json").stdout)
+    assert dry["requeued"] == len(bad) and failed_registry(c, "perm").keys() == bad
+    first = json.loads(c.manage("retry-failed", "--job", "perm", "--json").stdout)
+    second = json.loads(c.manage("retry-failed", "--job", "perm", "--json").stdout)
+    assert first["requeued"] == len(bad) and first["by_reason"] == {"invalid_request": len(bad)}
+    assert second["requeued"] == 0
+    pending = [m.decode() for m in c.r.lrange("dflash:{perm}:pending", 0, -1)]
+    assert sorted(pending) == sorted(bad)           # each once, nothing else
+    assert c.status("perm")["failed"] == 0 and failed_registry(c, "perm") == {}
+
+    requests_before = sim_stats(c.url(0))["requests"]
+    c.manage("resume", "--job", "perm")
+    c.wait_done("perm", timeout=120)
+    ok = {r["id"] for r in good + long_ok_later}
+    again = {"huge"} | set(malformed)
+    check_books(c, "perm", ok, again)
+    assert sim_stats(c.url(0))["requests"] - requests_before == len(bad)  # once each, no loop
+    registry = failed_registry(c, "perm")
+    failures = {k.decode(): int(v) for k, v in c.r.hgetall("dflash:{perm}:failures").items()}
+    assert all(registry[pid]["attempts"] == 1 and failures[pid] == 2 for pid in again)
+    assert counters(c, "perm")["requeued"] == len(bad)
+
+    only_gpu1 = json.loads(c.manage("retry-failed", "--job", "perm", "--gpu", "1", "--json").stdout)
+    only_transient = json.loads(c.manage("retry-failed", "--job", "perm", "--reason", "transient",
+                                         "--json").stdout)
+    assert only_gpu1["requeued"] == only_transient["requeued"] == 0
+    assert port  # the server stayed up throughout
+
+
+def test_warm_shutdown_returns_in_flight_prompts_at_once(cluster, tmp_path):
+    """SIGTERM while generations run: requests past the grace period are aborted and their
+    prompts put back in the queue, so a new worker finishes the job without waiting for any
+    visibility timeout (set to an hour here: a prompt lost in the stopped worker would hang the
+    test)."""
+    c = cluster(shutdown_grace_s=1, visibility_timeout_s=3600, reap_after_s=7200)
+    c.start_server(0, "--slots", "40", "--decode-tps", "400")
+    worker = c.start_worker(0)
+    c.start_beat()
+    rows = prompts(300)
+    c.manage("enqueue", "--dataset", str(dataset(tmp_path, rows)), "--job", "term",
+             "--max-output-tokens", "2048")
+    wait_until(lambda: c.status("term")["completed"] >= 40, timeout=120, what="40 completions")
+    assert sim_stats(c.url(0))["running"] > 0
+    started = time.monotonic()
+    worker.stop(timeout=60)
+    assert worker.popen.returncode == 0, worker.log()[-3000:]
+    assert time.monotonic() - started < 30
+    log = worker.log()
+    assert "aborting" in log
+    c.start_worker(0)
+    c.wait_done("term", timeout=240)
+    rows_out = check_books(c, "term", {r["id"] for r in rows})
+    assert all(r["metadata"]["finish_reason"] != "abort" for r in rows_out)
+
+
+def test_sigkill_while_retries_wait_loses_and_doubles_nothing(cluster, tmp_path):
+    """SIGKILL of a worker holding running requests and retries waiting for their ETA: all of
+    them are unacknowledged messages, delivered again after the visibility timeout (15 s here)
+    to the next worker; the ledger keeps one row each."""
+    c = cluster(visibility_timeout_s=15, reap_after_s=600, retry_base_s=1, retry_cap_s=4)
+    c.start_server(0, "--slots", "40", "--decode-tps", "1500", "--fail-503", "0.1", "--seed", "3")
+    worker = c.start_worker(0)
+    c.start_beat()
+    rows = prompts(400)
+    c.manage("enqueue", "--dataset", str(dataset(tmp_path, rows)), "--job", "kill9",
+             "--max-output-tokens", "2048")
+    wait_until(lambda: c.status("kill9")["completed"] >= 100, timeout=120, what="100 completions")
+    assert c.r.hlen("unacked") > 0
+    worker.kill()
+    assert c.status("kill9")["in_flight"] > 0
+    c.start_worker(0)
+    c.wait_done("kill9", timeout=240)
+    check_books(c, "kill9", {r["id"] for r in rows})
+    assert counters(c, "kill9")["retries"] > 0
