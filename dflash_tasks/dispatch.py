@@ -8,11 +8,13 @@ import json
 import logging
 import math
 import time
+from functools import lru_cache
+from pathlib import Path
 
 import redis
 from celery import Celery
 
-from .connections import ledger, redis_client
+from .connections import redis_client
 from .keys import WORKERS, JobKeys, queue_for
 from .settings import get_settings
 
@@ -49,10 +51,27 @@ def publish(app: Celery, job: str, gpu: int, prompt_ids: list[str]) -> None:
 
 
 def topup(app: Celery, job: str, gpu: int) -> int:
-    """Fill gpu's window for job from pending; returns how many tasks were published."""
-    ids = ledger().take(job, gpu, window_for(gpu))
-    publish(app, job, gpu, ids)
+    """Fill gpu's window for job from pending; returns how many tasks were published.
+
+    One round trip: take.lua moves the ids to the GPU's in-flight set and LPUSHes their Celery
+    messages in the same call (no kombu publish, no task-sent event per refill)."""
+    k = JobKeys(job)
+    queue = queue_for(gpu)
+    ids = _take_script()(keys=[k.config, k.pending, k.inflight(gpu), queue],
+                         args=[window_for(gpu), job, gpu, GENERATE, _origin(), app.thread_oid])
     return len(ids)
+
+
+@lru_cache(maxsize=1)
+def _take_script():
+    return redis_client().register_script((Path(__file__).parent / "ledger" / "take.lua").read_text())
+
+
+@lru_cache(maxsize=1)
+def _origin() -> str:
+    from celery.utils.nodenames import anon_nodename
+
+    return anon_nodename()
 
 
 def reap(app: Celery, job: str, gpu: int, older_than_s: float) -> int:
