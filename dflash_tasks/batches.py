@@ -30,6 +30,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import redis
 import zstandard
@@ -241,3 +242,26 @@ def read_batch(storage: Storage, record: dict) -> list[dict]:
 
 def read_manifest(storage: Storage, job: str) -> dict:
     return json.loads(storage.get(manifest_key(job)))
+
+
+def iter_newest_rows(r: redis.Redis, storage: Storage, job: str) -> Iterator[dict]:
+    """Every id's newest row, newest first: the rows still in the stream, then the sealed
+    batches from the last back. A regenerated prompt has an older row in an earlier batch; it
+    is skipped. Memory: the set of ids seen, not the rows."""
+    seen: set[str] = set()
+    k = JobKeys(job)
+    last = "+"
+    while entries := r.xrevrange(k.output, max=last, count=1000):
+        for entry_id, fields in entries:
+            row = json.loads(fields[b"row"])
+            if row["id"] not in seen:
+                seen.add(row["id"])
+                yield row
+        last = "(" + entries[-1][0].decode()
+    records = sorted((json.loads(v) for v in r.hvals(k.manifest)), key=lambda rec: rec["name"],
+                     reverse=True)
+    for record in records:
+        for row in reversed(read_batch(storage, record)):
+            if row["id"] not in seen:
+                seen.add(row["id"])
+                yield row

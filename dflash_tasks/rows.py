@@ -43,6 +43,8 @@ def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, 
             "completed_at": round(time.time(), 3),
         },
     }
+    if c.continued_tokens:  # the first tokens come from an earlier, truncated row
+        row["metadata"]["continued_tokens"] = c.continued_tokens
     if c.prompt_token_ids is not None and c.response_token_ids is not None:
         row["token_ids"] = {"prompt": c.prompt_token_ids, "response": c.response_token_ids}
     return row

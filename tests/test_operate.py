@@ -115,3 +115,57 @@ def test_pause_resume_cancel_lose_nothing(cluster, tmp_path):
 
     jobs = c.manage("jobs").stdout
     assert "steer" in jobs and "cancelled" in jobs
+
+
+def test_regenerate_continues_truncated_rows_after_raising_the_cap(cluster, tmp_path):
+    """The 4,096 -> 8,192 story: rows cut at the old cap continue from their own token ids
+    (SGLang /generate), and each ends exactly as one 8,192-token generation would have."""
+    import httpx
+
+    c = cluster()
+    start(c)
+    path, rows = prompts(tmp_path, 500)
+    c.manage("enqueue", "--dataset", str(path), "--job", "story", "--gpus", "2",
+             "--max-output-tokens", "4096")
+    c.wait_done("story")
+    at_4096, at_8192 = expected(rows, 4096), expected(rows, 8192)
+    cut = sorted(i for i, p in at_4096.items() if p.finish_reason == "length")
+    assert len(cut) > 40
+
+    refused = c.manage("regenerate", "--job", "story", "--finish-reason", "length", "--continue",
+                       check=False)
+    assert refused.returncode != 0 and "raise it first" in refused.stderr
+    c.manage("set", "--job", "story", "--max-output-tokens", "8192")
+    out = c.manage("regenerate", "--job", "story", "--finish-reason", "length", "--continue").stdout
+    assert f"{len(cut):,} prompts with finish_reason 'length' queued" in out
+    assert f"{len(cut) * 4096:,} generated tokens reused" in out
+    snap = c.wait_done("story")
+
+    newest = {}
+    for row in c.rows("story"):  # batches in time order: the last row of an id is its newest
+        newest[row["id"]] = row
+    assert set(newest) == {r["id"] for r in rows}
+    for pid, row in newest.items():
+        meta = row["metadata"]
+        want = at_8192[pid] if pid in cut else at_4096[pid]
+        assert (meta["completion_tokens"], meta["finish_reason"]) == \
+            (want.completion_tokens, want.finish_reason), pid
+        assert len(row["token_ids"]["response"]) == meta["completion_tokens"]
+    assert all(newest[pid]["metadata"]["continued_tokens"] == 4096 for pid in cut)
+
+    # A continued row is the same as one generation at the new cap: ids, reasoning and answer.
+    one = newest[cut[0]]
+    fresh = httpx.post(c.url(0) + "/v1/chat/completions", timeout=60, json={
+        "model": one["metadata"]["model"], "messages": one["conversations"][:-1],
+        "max_tokens": 8192, "return_token_ids": True}).json()["choices"][0]
+    assert fresh["response_token_ids"] == one["token_ids"]["response"]
+    assert fresh["message"]["reasoning_content"].split() == one["conversations"][-1]["reasoning_content"].split()
+    assert fresh["message"]["content"].split() == one["conversations"][-1]["content"].split()
+
+    # Counters follow the newest rows; the dataset still has one row per id.
+    assert snap["completed"] == 500
+    assert snap["total_output_tokens"] == sum(r["metadata"]["completion_tokens"] for r in newest.values())
+    assert snap["finish_reasons"].get("length", 0) == sum(at_8192[i].finish_reason == "length"
+                                                          for i in cut)
+    export = c.manage("export", "--job", "story", "--to", str(tmp_path / "export")).stdout
+    assert "500 (one per id)" in export and f"{len(cut):,} older rows" in export

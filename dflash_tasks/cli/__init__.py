@@ -22,6 +22,7 @@ COMMANDS = {
     "cancel": "dflash_tasks.cli.jobs:cancel",
     "set": "dflash_tasks.cli.jobs:set_params",
     "stats": "dflash_tasks.cli.stats:stats",
+    "regenerate": "dflash_tasks.cli.regenerate:regenerate",
     "worker": "dflash_tasks.cli.processes:worker",
     "beat": "dflash_tasks.cli.processes:beat",
     "flower": "dflash_tasks.cli.processes:flower",

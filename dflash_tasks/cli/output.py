@@ -33,7 +33,7 @@ def export(name: str, dest: Path, source: str | None, allow_partial: bool, **tra
     from ..batches import ChecksumMismatch
     from ..connections import redis_client
     from ..export import ExportError, expected_completed, export as run_export
-    from ..keys import check_job_name
+    from ..keys import JobKeys, check_job_name
     from ..storage import StorageError, storage_at, storage_for
 
     try:
@@ -62,8 +62,11 @@ def export(name: str, dest: Path, source: str | None, allow_partial: bool, **tra
                 done[0] += 1
                 spin.update(f"verified {done[0]} batches ({rec['name']})")
 
+            # Regenerated ids have an older row too (the newest wins); the ledger says how many.
+            regenerated = int(r.hget(JobKeys(name).counters, "regenerated") or 0) if r else 0
             report = run_export(storage, name, dest, expected=expected, expected_source=where,
-                                allow_partial=allow_partial, on_batch=on_batch)
+                                allow_partial=allow_partial, regenerated=regenerated,
+                                on_batch=on_batch)
     except (ExportError, ChecksumMismatch, StorageError) as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -72,7 +75,9 @@ def export(name: str, dest: Path, source: str | None, allow_partial: bool, **tra
     t.add_row("to", str(dest))
     t.add_row("batches", f"{report.batches:,} ({report.downloaded:,} downloaded, "
                          f"{report.reused:,} already there)")
-    t.add_row("rows", f"{report.rows:,} (ids unique)")
+    t.add_row("rows", f"{report.rows:,} (one per id)" + (
+        f"; {report.replaced:,} older rows of regenerated ids, superseded by the newest"
+        if report.replaced else ""))
     t.add_row("bytes", f"{report.bytes:,}")
     t.add_row("completed", f"{report.expected:,} per {report.expected_source}"
               if report.expected is not None else "unknown")

@@ -26,6 +26,7 @@ class TaskState:
     messages: list[dict] | None
     done: bool
     failed: bool = False  # in the failed registry: parked until `manage.py retry-failed`
+    continuation: dict | None = None  # a truncated output to continue (regenerate --continue)
 
 
 class Ledger:
@@ -33,7 +34,7 @@ class Ledger:
         self.r = client
         self._scripts = {name: client.register_script((_HERE / f"{name}.lua").read_text())
                          for name in ("add_prompts", "take", "complete", "fail", "record_batch",
-                                      "retry", "requeue_failed")}
+                                      "retry", "requeue_failed", "reopen")}
 
     # -- enqueue ---------------------------------------------------------------------------------
 
@@ -58,10 +59,24 @@ class Ledger:
         pipe.hget(k.prompts, prompt_id)
         pipe.sismember(k.done, prompt_id)
         pipe.hexists(k.failed, prompt_id)
-        params, messages, done, failed = pipe.execute()
-        return TaskState(params=json.loads(params) if params else None,
-                         messages=decode_messages(messages) if messages else None,
-                         done=bool(done), failed=bool(failed))
+        params, entry, done, failed = pipe.execute()
+        entry = decode_messages(entry) if entry else None
+        # A regenerated prompt is stored as {"messages", "continue"?} (reopen.lua), a new one as
+        # its bare list of messages.
+        messages, continuation = (entry["messages"], entry.get("continue")) \
+            if isinstance(entry, dict) else (entry, None)
+        return TaskState(params=json.loads(params) if params else None, messages=messages,
+                         done=bool(done), failed=bool(failed), continuation=continuation)
+
+    def reopen(self, job: str, row: dict, entry_json: str, continued_tokens: int) -> bool:
+        """Take a done prompt back for regeneration (reopen.lua); False if it was not done."""
+        k = JobKeys(job)
+        meta = row["metadata"]
+        out = int(meta["completion_tokens"])
+        return bool(self._scripts["reopen"](
+            keys=[k.done, k.prompts, k.pending, k.counters],
+            args=[row["id"], entry_json, int(meta["prompt_tokens"]), out, meta["finish_reason"],
+                  meta["gpu"], out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, continued_tokens]))
 
     def drop_inflight(self, job: str, gpu: int, prompt_id: str) -> None:
         self.r.zrem(JobKeys(job).inflight(gpu), prompt_id)

@@ -1,10 +1,10 @@
 """The SGLang HTTP client and its error hierarchy."""
-from .client import Completion, SGLangClient
+from .client import Completion, Generation, SGLangClient
 from .errors import (PERMANENT_REASONS, REASONS, TRANSIENT_REASONS, BadResponse, EmptyResponse,
                      InvalidRequest, ModelNotFound, PermanentError, RequestAborted, RequestTimeout,
                      ServerUnavailable, SGLangError, TransientError)
 
-__all__ = ["Completion", "SGLangClient", "SGLangError", "TransientError", "PermanentError",
+__all__ = ["Completion", "Generation", "SGLangClient", "SGLangError", "TransientError", "PermanentError",
            "ServerUnavailable", "RequestTimeout", "BadResponse", "InvalidRequest", "ModelNotFound",
            "EmptyResponse", "RequestAborted", "REASONS", "TRANSIENT_REASONS",
            "PERMANENT_REASONS"]

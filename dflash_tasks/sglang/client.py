@@ -34,6 +34,19 @@ class Completion:
     prompt_token_ids: list[int] | None = None
     response_token_ids: list[int] | None = None
     matched_stop: Any = None
+    continued_tokens: int = 0  # tokens kept from an earlier, truncated output (not regenerated)
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A native /generate answer (see shared/sglang-samples/generate*.json)."""
+    text: str
+    output_ids: list[int]
+    finish_reason: str
+    completion_tokens: int
+    cached_tokens: int
+    latency_s: float
+    matched_stop: Any = None
 
 
 @dataclass
@@ -116,6 +129,22 @@ class SGLangClient:
         data = self._post_json("/v1/chat/completions", body)
         return parse_chat(data, latency_s=time.monotonic() - started, url=self.base_url)
 
+    def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None,
+                 rid: str | None = None) -> Generation:
+        """Native /generate from token ids: how a truncated output is continued (the prefix cache
+        serves the ids already known)."""
+        sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
+            if value is not None:
+                sampling[name] = value
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling, "stream": False}
+        if rid is not None:
+            body["rid"] = rid
+        started = time.monotonic()
+        data = self._post_json("/generate", body)
+        return parse_generate(data, latency_s=time.monotonic() - started, url=self.base_url)
+
     def abort(self, rid: str) -> None:
         """Ask the server to stop a request we gave up on (best effort)."""
         try:
@@ -155,6 +184,23 @@ def _error_message(response: httpx.Response) -> str:
     except ValueError:
         pass
     return response.text[:500] or response.reason_phrase
+
+
+def parse_generate(data: Any, *, latency_s: float, url: str = "") -> Generation:
+    """A /generate body: text, output_ids, meta_info with finish_reason as an object."""
+    try:
+        meta = data["meta_info"]
+        finish = meta.get("finish_reason") or {}
+        reason = finish.get("type", "unknown") if isinstance(finish, dict) else str(finish)
+        if reason == "abort":
+            raise ServerUnavailable(f"request aborted: {finish.get('message', '')}", url=url)
+        return Generation(text=data.get("text") or "", output_ids=list(data["output_ids"]),
+                          finish_reason=reason, completion_tokens=int(meta["completion_tokens"]),
+                          cached_tokens=int(meta.get("cached_tokens") or 0), latency_s=latency_s,
+                          matched_stop=finish.get("matched") if isinstance(finish, dict) else None)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BadResponse(f"unexpected /generate shape ({exc!r}): {json.dumps(data)[:300]}",
+                          url=url) from exc
 
 
 def parse_chat(data: Any, *, latency_s: float, url: str = "") -> Completion:

@@ -170,6 +170,7 @@ class SimServer:
         self.queue_seconds_sum = 0.0
         self.first_request_at: float | None = None
         self.last_finished_at: float | None = None
+        self.last_started_at: float | None = None  # when a request last got a slot
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.cached_tokens_total = 0
@@ -285,6 +286,7 @@ class SimServer:
             self.active.add(job)
         now = time.time()
         job.started = now
+        self.last_started_at = now
         self.queue_seconds_sum += now - job.arrived
         self.running.add(job)
         self.max_running_seen = max(self.max_running_seen, len(self.running))
@@ -554,7 +556,9 @@ class SimServer:
         first_token = started + job.prefill_s
         decode_s = max(1e-9, now - first_token)
         return {
-            "text": layout.text(start, start + n),
+            # A BPE piece carries its own leading space, so /generate's text starts with one
+            # (generate.json: " world world..."), and a continuation's text appends cleanly.
+            "text": (" " if n else "") + layout.text(start, start + n),
             "output_ids": layout.ids(start, start + n),
             "meta_info": {
                 "id": job.rid, "finish_reason": finish, "prompt_tokens": job.input_tokens,
@@ -712,6 +716,7 @@ class SimServer:
     # ------------------------------------------------------------------ /sim control endpoints
 
     def stats(self) -> dict:
+        now = time.time()
         return {
             "requests": self.requests,
             "by_endpoint": dict(self.by_endpoint),
@@ -723,6 +728,9 @@ class SimServer:
             "max_running_seen": self.max_running_seen,
             "max_queued_seen": self.max_queued_seen,
             "busy_slot_seconds": self.busy_slot_seconds,
+            # busy_slot_seconds counts a request when it ends; this adds the running ones so far
+            "busy_slot_seconds_live": self.busy_slot_seconds + sum(
+                now - job.started for job in self.running),
             "service_seconds_sum": self.service_seconds_sum,
             "queue_seconds_sum": self.queue_seconds_sum,
             "prompt_tokens": self.prompt_tokens_total,
@@ -731,7 +739,8 @@ class SimServer:
             "started_at": self.started_at,
             "first_request_at": self.first_request_at,
             "last_finished_at": self.last_finished_at,
-            "now": time.time(),
+            "last_started_at": self.last_started_at,
+            "now": now,
             "down_count": self.down_count,
             "faults": dict(self.faults),
             "config": asdict(self.config),

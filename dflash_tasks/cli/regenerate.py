@@ -1,0 +1,73 @@
+"""`regenerate`: run again the prompts whose newest row ended a given way (typically truncated
+under an old cap), optionally continuing their output instead of starting over."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..settings import get_settings
+from .common import console, job_or_fail, redis_or_fail
+
+CHUNK = 500
+
+
+@click.command()
+@click.option("--job", "name", required=True)
+@click.option("--finish-reason", required=True, help="Rows that ended this way: length, stop, abort...")
+@click.option("--continue", "continue_output", is_flag=True,
+              help="Continue truncated outputs from their token ids (SGLang /generate) instead of "
+                   "starting over: only the missing tokens are generated.")
+@click.option("--limit", type=click.IntRange(min=1), help="At most N prompts.")
+def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int | None) -> None:
+    """Generate again the prompts whose row ended with FINISH_REASON. The new row replaces the
+    old one (readers keep the newest row per id); counters and progress.json follow."""
+    from .. import dispatch, jobs
+    from ..batches import iter_newest_rows
+    from ..celery_app import app
+    from ..connections import ledger
+    from ..continuation import entry_from_row
+    from ..storage import storage_for
+
+    r = redis_or_fail()
+    job = job_or_fail(r, name)
+    cap = job.params.max_tokens
+    book = ledger()
+    reopened = continued = saved = 0
+    batch: list[tuple[dict, dict]] = []
+
+    def flush() -> None:
+        nonlocal reopened, continued, saved
+        for row, entry in batch:
+            kept = len(entry["continue"]["response_ids"]) if "continue" in entry else 0
+            if book.reopen(name, row, json.dumps(entry, ensure_ascii=False, separators=(",", ":")),
+                           kept):
+                reopened += 1
+                continued += bool(kept)
+                saved += kept
+        batch.clear()
+
+    for row in iter_newest_rows(r, storage_for(get_settings()), name):
+        if row["metadata"]["finish_reason"] != finish_reason:
+            continue
+        if continue_output and finish_reason == "length" and row["metadata"]["completion_tokens"] >= cap:
+            raise click.UsageError(
+                f"row {row['id']} already has {row['metadata']['completion_tokens']:,} tokens and the "
+                f"job's max_tokens is {cap:,}: raise it first (manage.py set --job {name} "
+                "--max-output-tokens N), then continue")
+        batch.append((row, entry_from_row(row, continue_output=continue_output)))
+        if len(batch) >= CHUNK:
+            flush()
+        if limit and reopened + len(batch) >= limit:
+            break
+    flush()
+    if reopened and job.status in ("done", "running"):
+        jobs.set_status(r, name, "running")
+        for gpu in range(job.gpus):
+            dispatch.topup(app, name, gpu)
+    console.print(f"job {name}: {reopened:,} prompts with finish_reason {finish_reason!r} queued "
+                  f"again at max_tokens {cap:,}")
+    if continue_output:
+        console.print(f"  {continued:,} continue from their truncated output "
+                      f"({saved:,} generated tokens reused, not generated again); "
+                      f"{reopened - continued:,} start over (no token ids in the row)")

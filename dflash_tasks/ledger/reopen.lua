@@ -1,0 +1,30 @@
+-- Take a finished prompt back for regeneration: its done mark and its row's share of the counters
+-- go, its prompt (and, to continue a truncated output, the ids it already has) comes back to
+-- pending. The old row stays in its batch; readers keep the newest row per id, and the counters
+-- follow the newest row, so they keep equalling the dataset.
+-- KEYS: done, prompts, pending, counters
+-- ARGV: id, prompt_entry_json, input_tokens, output_tokens, finish_reason, gpu, hist_bucket,
+--       continued_tokens (ids kept from the old output; 0 to start over)
+-- Returns 1 when reopened, 0 when the id was not done (already reopened, or unknown).
+local id = ARGV[1]
+if redis.call('SREM', KEYS[1], id) == 0 then
+  return 0
+end
+redis.call('HSET', KEYS[2], id, ARGV[2])
+redis.call('RPUSH', KEYS[3], id)
+local input_tokens, output_tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
+local gpu = 'gpu:' .. ARGV[6] .. ':'
+redis.call('HINCRBY', KEYS[4], 'completed', -1)
+redis.call('HINCRBY', KEYS[4], 'input_tokens', -input_tokens)
+redis.call('HINCRBY', KEYS[4], 'output_tokens', -output_tokens)
+redis.call('HINCRBY', KEYS[4], 'finish:' .. ARGV[5], -1)
+redis.call('HINCRBY', KEYS[4], 'hist:' .. ARGV[7], -1)
+redis.call('HINCRBY', KEYS[4], gpu .. 'completed', -1)
+redis.call('HINCRBY', KEYS[4], gpu .. 'output_tokens', -output_tokens)
+redis.call('HINCRBY', KEYS[4], 'regenerated', 1)
+local kept = tonumber(ARGV[8])
+if kept > 0 then
+  redis.call('HINCRBY', KEYS[4], 'continued', 1)
+  redis.call('HINCRBY', KEYS[4], 'continued_tokens_saved', kept)
+end
+return 1
