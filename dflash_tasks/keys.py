@@ -12,6 +12,7 @@ PREFIX = "dflash"
 JOBS = f"{PREFIX}:jobs"          # set: every job name ever enqueued
 WORKERS = f"{PREFIX}:workers"    # hash: "gpu3" -> JSON {concurrency, hostname, url, seen_at}
 BREAKERS = f"{PREFIX}:breakers"  # hash: "gpu3" -> JSON {state, consecutive_failures, last_error, ...}
+SERVERS = f"{PREFIX}:servers"    # hash: "gpu3" -> JSON of its SGLang server's /metrics sample
 WORKERS_SEEN = f"{PREFIX}:workers:seen"  # hash: "gpu3" -> Redis time of the worker's last heartbeat
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")

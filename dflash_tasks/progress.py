@@ -17,7 +17,7 @@ import redis
 
 from . import jobs
 from .batches import latency_bucket_ms
-from .keys import WORKERS, WORKERS_SEEN, JobKeys
+from .keys import SERVERS, WORKERS, WORKERS_SEEN, JobKeys
 from .ledger import HIST_BUCKET_TOKENS
 from .settings import Settings
 
@@ -74,10 +74,12 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
     pipe.get(k.sealing)
     pipe.hgetall(k.storage_error)
     pipe.hgetall(WORKERS_SEEN)
+    pipe.hgetall(SERVERS)
     for gpu in range(job.gpus):
         pipe.zcard(k.inflight(gpu))
     (counters_raw, pending, unsealed, rate_raw, workers_raw, sealing, storage_error, seen_raw,
-     *inflight) = pipe.execute()
+     servers_raw, *inflight) = pipe.execute()
+    servers = {key.decode(): json.loads(v) for key, v in servers_raw.items()}
     seen = {key.decode(): float(v) for key, v in seen_raw.items()}
 
     c = {key.decode(): int(v) for key, v in counters_raw.items()}
@@ -135,6 +137,9 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
             "worker": workers.get(f"gpu{gpu}", {}).get("hostname"),
             "alive": age is not None and age < ALIVE_PERIODS * s.worker_heartbeat_s,
             "heartbeat_age_s": age,
+            # The server's own view (its /metrics, sampled by the worker): running requests
+            # below its decode slots while prompts are pending means the slots are not full.
+            "server": _server_view(servers.get(f"gpu{gpu}"), now),
         }
 
     return {
@@ -185,6 +190,15 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
         "gpus": gpus,
         "updated_at": round(time.time(), 3),
     }
+
+
+def _server_view(sample: dict | None, now: float) -> dict | None:
+    if sample is None:
+        return None
+    view = {k: sample.get(k) for k in ("running", "queued", "gen_throughput", "token_usage",
+                                       "cache_hit_rate", "error")}
+    view["age_s"] = round(now - sample["at"], 1)
+    return view
 
 
 def is_finished(snap: dict) -> bool:

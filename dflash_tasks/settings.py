@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     batch_bytes: int = 64 * 1024 * 1024
     batch_max_age_s: float = 300.0
 
+    # Each GPU worker samples its server's /metrics this often (status, progress.json).
+    server_metrics_interval_s: float = 10.0
+
     progress_interval_s: float = Field(5.0, description="beat period of progress.json and batches")
     rate_window_s: float = 300.0
 

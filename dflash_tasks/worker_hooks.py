@@ -53,9 +53,10 @@ def _register(gpu: int, concurrency: int, hostname: str, url: str) -> None:
         "pid": os.getpid(), "url": redact_url(url), "started_at": time.time()}))
     log.info("gpu%d: worker %s ready, concurrency %d, server %s", gpu, hostname, concurrency,
              redact_url(url))
-    from . import heartbeat
+    from . import heartbeat, server_metrics
 
     heartbeat.start(gpu)  # progress.json's per-GPU "alive"
+    server_metrics.start(gpu, url, get_settings().server_metrics_interval_s)
 
 
 @signals.worker_shutdown.connect

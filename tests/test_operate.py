@@ -169,3 +169,16 @@ def test_regenerate_continues_truncated_rows_after_raising_the_cap(cluster, tmp_
                                                           for i in cut)
     export = c.manage("export", "--job", "story", "--to", str(tmp_path / "export")).stdout
     assert "500 (one per id)" in export and f"{len(cut):,} older rows" in export
+
+
+def test_status_shows_each_servers_own_load_from_its_metrics(cluster, tmp_path):
+    c = cluster(server_metrics_interval_s=0.5)
+    start(c, gpus=(0,), sim_args=("--slots", "8", "--decode-tps", "300"))
+    path, _ = prompts(tmp_path, 120)
+    c.manage("enqueue", "--dataset", str(path), "--job", "load", "--gpus", "1")
+    server = wait_until(lambda: (g := c.status("load")["gpus"]["gpu0"]["server"])
+                        and g["running"] == 8 and g, timeout=60,
+                        what="the server's metrics to show its 8 slots busy")
+    assert server["error"] is None and server["gen_throughput"] >= 0 and server["age_s"] < 30
+    assert "server: 8 running" in c.manage("status", "--job", "load").stdout
+    c.manage("cancel", "--job", "load", "--yes")

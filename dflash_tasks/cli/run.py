@@ -117,13 +117,21 @@ def _snapshot(r, name: str) -> dict:
     return snapshot(r, name, get_settings())
 
 
+def _bar(fraction: float, width: int = 30) -> str:
+    filled = round(max(0.0, min(1.0, fraction)) * width)
+    return "█" * filled + "░" * (width - filled)
+
+
 def _status_table(snap: dict) -> Table:
+    """The run at a glance: the same figures as progress.json, for a terminal."""
     t = Table(title=f"job {snap['job']}: {snap['status']}", show_header=False, box=None)
     done = snap["completed"] + snap["failed"]
-    pct = 100 * done / snap["total"] if snap["total"] else 0
+    fraction = done / snap["total"] if snap["total"] else 0.0
     eta = f"{snap['eta_hours']:.2f} h" if snap["eta_hours"] is not None else "-"
-    t.add_row("progress", f"{done:,}/{snap['total']:,} ({pct:.1f}%)  eta {eta}")
-    t.add_row("completed / failed", f"{snap['completed']:,} / {snap['failed']:,}")
+    t.add_row("progress", f"{_bar(fraction)} {done:,}/{snap['total']:,} ({100 * fraction:.1f}%)  "
+                          f"eta {eta}")
+    t.add_row("completed / failed", f"{snap['completed']:,} / {snap['failed']:,}  "
+                                    f"(retries {snap.get('retries', 0):,})")
     t.add_row("pending / in flight", f"{snap['pending']:,} / {snap['in_flight']:,}")
     t.add_row("rate", f"{snap['rate_per_sec']:.2f} completions/s, "
                       f"{snap['output_tokens_per_sec']:,.0f} output tokens/s")
@@ -131,11 +139,22 @@ def _status_table(snap: dict) -> Table:
                                  f"(avg out {snap['avg_output_tokens']:,.0f})")
     t.add_row("finish reasons", ", ".join(f"{k}={v:,}" for k, v in sorted(snap["finish_reasons"].items()))
               + f"  (truncated {snap['truncated_pct']:.1f}%)")
-    t.add_row("batches", f"{snap['batches']:,} ({snap['batch_bytes']:,} bytes), "
+    where = snap.get("s3_uri") or "local"
+    t.add_row("batches", f"{snap['batches']:,} ({snap['batch_bytes']:,} bytes, {where}), "
                          f"{snap['unsealed_rows']:,} rows waiting")
+    if snap.get("storage_error"):
+        t.add_row("[red]storage error[/]", str(snap["storage_error"].get("error")))
     for gpu, g in snap["gpus"].items():
-        t.add_row(gpu, f"{g['completed']:,} done, {g['in_flight']} in flight, "
-                       f"worker {g['worker'] or '-'}")
+        alive = "[green]alive[/]" if g.get("alive") else "[red]no heartbeat[/]"
+        line = (f"{g['completed']:,} done, {g['in_flight']} in flight, "
+                f"{g.get('output_tokens_per_sec', 0):,.0f} tok/s, {g.get('retries', 0)} retries, "
+                f"{g['worker'] or '-'} {alive}")
+        server = g.get("server")
+        if server and not server.get("error"):
+            line += (f"; server: {server.get('running', 0):.0f} running, "
+                     f"{server.get('queued', 0):.0f} queued, "
+                     f"{server.get('gen_throughput', 0):,.0f} tok/s")
+        t.add_row(gpu, line)
     return t
 
 

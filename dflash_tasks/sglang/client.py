@@ -104,6 +104,17 @@ class SGLangClient:
                                       url=self.base_url) from None
             return self._model
 
+    def metrics_text(self) -> str:
+        """The server's Prometheus /metrics (SGLang serves it with --enable-metrics)."""
+        try:
+            response = self._http.get("/metrics", timeout=10.0)
+        except httpx.HTTPError as exc:
+            raise ServerUnavailable(f"{type(exc).__name__}: {exc}", url=self.base_url + "/metrics") from exc
+        if response.status_code != 200:
+            raise error_for_status(response.status_code, _error_message(response),
+                                   self.base_url + "/metrics")
+        return response.text
+
     def server_info(self) -> dict:
         return self._get_json("/server_info")
 
