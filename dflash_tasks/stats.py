@@ -9,13 +9,13 @@ the newest rows: those still in the Redis stream, then the newest sealed batches
 """
 from __future__ import annotations
 
-import json
 import math
+from itertools import islice
 from typing import Iterable
 
 import redis
 
-from .batches import read_batch
+from .batches import iter_newest_rows
 from .keys import JobKeys
 from .ledger import HIST_BUCKET_TOKENS
 from .storage import Storage
@@ -64,17 +64,8 @@ def histogram_percentiles(hist: dict[int, int], max_tokens: int | None) -> dict:
 
 
 def sample_rows(r: redis.Redis, storage: Storage, job: str, n: int) -> list[dict]:
-    """Up to n of the newest rows: the unsealed ones in the stream first, then sealed batches
-    from the newest back."""
-    rows = [json.loads(fields[b"row"]) for _, fields in r.xrevrange(JobKeys(job).output, count=n)]
-    if len(rows) < n:
-        records = sorted((json.loads(v) for v in r.hvals(JobKeys(job).manifest)),
-                         key=lambda rec: rec["name"], reverse=True)
-        for record in records:
-            rows.extend(read_batch(storage, record)[::-1][: n - len(rows)])
-            if len(rows) >= n:
-                break
-    return rows
+    """Up to n of the newest rows, one per id (a regenerated prompt counts by its new row)."""
+    return list(islice(iter_newest_rows(r, storage, job), n))
 
 
 def row_facts(row: dict) -> dict:
