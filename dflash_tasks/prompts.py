@@ -221,7 +221,8 @@ def _json_object(line: bytes) -> dict:
     try:
         value = json.loads(text[1:] if text[:1] == "\ufeff" else text)  # a BOM on line 1
     except json.JSONDecodeError as exc:
-        raise _RowError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        # json messages may end in "at" already ("Invalid control character at")
+        raise _RowError(f"not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})") from None
     if not isinstance(value, dict):
         raise _RowError(f"not a JSON object (got {_kind(value)})")
     if (b"\\ud" in line or b"\\uD" in line) and not _encodable(value):
