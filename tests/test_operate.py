@@ -138,7 +138,7 @@ def test_regenerate_continues_truncated_rows_after_raising_the_cap(cluster, tmp_
     c.manage("set", "--job", "story", "--max-output-tokens", "8192")
     out = c.manage("regenerate", "--job", "story", "--finish-reason", "length", "--continue").stdout
     assert f"{len(cut):,} prompts with finish_reason 'length' queued" in out
-    assert f"{len(cut) * 4096:,} generated tokens reused" in out
+    assert f"{len(cut) * 4096:,} tokens reused" in out
     snap = c.wait_done("story")
 
     newest = {}

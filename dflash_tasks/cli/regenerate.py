@@ -68,6 +68,7 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
     console.print(f"job {name}: {reopened:,} prompts with finish_reason {finish_reason!r} queued "
                   f"again at max_tokens {cap:,}")
     if continue_output:
-        console.print(f"  {continued:,} continue from their truncated output "
-                      f"({saved:,} generated tokens reused, not generated again); "
-                      f"{reopened - continued:,} start over (no token ids in the row)")
+        console.print(f"  {continued:,} continue from their truncated output: {saved:,} tokens "
+                      "reused, not generated again")
+        if reopened > continued:
+            console.print(f"  {reopened - continued:,} start over (no token ids in the row)")
