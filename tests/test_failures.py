@@ -296,12 +296,13 @@ def test_permanent_failures_are_registered_at_once_and_retry_failed_is_idempoten
 
 
 def test_warm_shutdown_returns_in_flight_prompts_at_once(cluster, tmp_path):
-    """SIGTERM while generations run: requests past the grace period are aborted and their
-    prompts put back in the queue, so a new worker finishes the job without waiting for any
-    visibility timeout (set to an hour here: a prompt lost in the stopped worker would hang the
-    test)."""
-    c = cluster(shutdown_grace_s=1, visibility_timeout_s=3600, reap_after_s=7200)
-    c.start_server(0, "--slots", "40", "--decode-tps", "400")
+    """SIGTERM while generations run and retries wait for their ETA: requests past the grace
+    period are aborted and their prompts put back in the queue, waiting retries go back too, so a
+    new worker finishes the job without waiting for any visibility timeout (set to an hour here:
+    a prompt lost in the stopped worker would hang the test)."""
+    c = cluster(shutdown_grace_s=1, visibility_timeout_s=3600, reap_after_s=7200,
+                lost_message_grace_s=3600, retry_base_s=4, retry_cap_s=8)
+    c.start_server(0, "--slots", "40", "--decode-tps", "400", "--fail-503", "0.1", "--seed", "5")
     worker = c.start_worker(0)
     c.start_beat()
     rows = prompts(300)
@@ -309,6 +310,7 @@ def test_warm_shutdown_returns_in_flight_prompts_at_once(cluster, tmp_path):
              "--max-output-tokens", "2048")
     wait_until(lambda: c.status("term")["completed"] >= 40, timeout=120, what="40 completions")
     assert sim_stats(c.url(0))["running"] > 0
+    wait_until(lambda: counters(c, "term").get("retries", 0) > 0, timeout=30, what="a retry")
     started = time.monotonic()
     worker.stop(timeout=60)
     assert worker.popen.returncode == 0, worker.log()[-3000:]

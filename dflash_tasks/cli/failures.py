@@ -9,8 +9,9 @@ from rich.table import Table
 
 from .common import console, err_console, job_or_fail, redis_or_fail
 
-_REASON_HELP = ("A reason (invalid_request, model_not_found, empty_response, unavailable, timeout, "
-                "bad_response, aborted) or a class (transient, permanent). [all]")
+_REASON_HELP = ("A reason (invalid_request, model_not_found, empty_response, internal_error, "
+                "unavailable, timeout, bad_response, aborted) or a class (transient, permanent). "
+                "[all]")
 
 
 def _when(ts) -> str:

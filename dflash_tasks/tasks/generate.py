@@ -30,12 +30,13 @@ import time
 from typing import Callable, TypeVar
 
 import redis
-from celery.exceptions import Reject
+from celery.exceptions import Reject, Retry
 
 from .. import breaker as breakers
 from .. import shutdown
 from ..celery_app import app
 from ..connections import ledger
+from ..continuation import continue_generation
 from ..dispatch import GENERATE, topup
 from ..jobs import GenerationParams
 from ..keys import queue_for
@@ -98,67 +99,82 @@ def durable(what: str, fn: Callable[..., T], *args, **kwargs) -> T:
 
 @app.task(name=GENERATE, bind=True, max_retries=None, throws=(PromptFailed,))
 def generate(self, job: str, prompt_id: str, gpu: int, tries: int = 0) -> dict:
-    book = ledger()
     try:
-        if shutdown.requested():
-            raise Reject("worker shutting down: prompt returned to its queue", requeue=True)
-        state = durable("reading the prompt", book.task_state, job, prompt_id)
-        if state.done:
-            book.drop_inflight(job, gpu, prompt_id)
-            return {"id": prompt_id, "skipped": "already done"}
-        if state.failed:
-            book.drop_inflight(job, gpu, prompt_id)
-            return {"id": prompt_id, "skipped": "in the failed registry (see retry-failed)"}
-        if state.messages is None or state.params is None:
-            book.drop_inflight(job, gpu, prompt_id)
-            return {"id": prompt_id, "skipped": "not pending (job removed)"}
-        params = GenerationParams.from_dict(state.params)
-        s = get_settings()
-        client = client_for(gpu)
-        circuit = breaker_for(gpu)
-        if not circuit.wait_closed(s.breaker_wait_s):
-            # Nothing was sent: the prompt goes back to the queue with its attempts unspent, and
-            # this thread is free (the visibility timeout never runs out on a waiting message).
-            why = "worker shutting down" if shutdown.requested() else \
-                f"server unavailable for {s.breaker_wait_s:.0f}s (circuit open)"
-            raise Reject(f"{why}: prompt returned to its queue", requeue=True)
-
-        attempt = tries + 1
-        rid = f"{job}:{prompt_id}:{attempt}:{(self.request.id or '')[:8]}"
-        try:
-            with shutdown.tracked(rid, lambda: client.abort(rid)):
-                completion = client.chat(state.messages, max_tokens=params.max_tokens,
-                                         temperature=params.temperature, top_p=params.top_p,
-                                         top_k=params.top_k, enable_thinking=params.enable_thinking,
-                                         rid=rid)
-        except TransientError as exc:
-            if exc.reason == "timeout":
-                client.abort(rid)  # or the server keeps decoding for nobody
-            if shutdown.requested():
-                raise Reject(f"worker shutting down ({exc.reason}): prompt returned to its queue",
-                             requeue=True) from None
-            circuit.record_failure(str(exc))
-            if attempt <= s.max_retries:
-                if not durable("counting a retry", book.note_retry, job, prompt_id, gpu, exc.reason):
-                    return {"id": prompt_id, "skipped": "done by another delivery"}
-                countdown = backoff_s(tries)
-                log.info("prompt %s on gpu%d: %s; retry %d/%d in %.1fs", prompt_id, gpu, exc,
-                         attempt, s.max_retries, countdown)
-                raise self.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
-                                 args=(job, prompt_id, gpu), kwargs={"tries": attempt})
-            _fail(job, prompt_id, gpu, exc, attempt)
-        except PermanentError as exc:
-            circuit.record_success()  # the server answered
-            _fail(job, prompt_id, gpu, exc, attempt)
-        circuit.record_success()
-        row = build_row(prompt_id, state.messages, completion, job=job, gpu=gpu, params=params,
-                        attempts=attempt)
-        recorded = durable("recording the row", book.complete, job, prompt_id, gpu, row)
-        return {"id": prompt_id, "finish_reason": completion.finish_reason,
-                "completion_tokens": completion.completion_tokens, "attempts": attempt,
-                **({} if recorded else {"skipped": "duplicate delivery"})}
+        return _generate(self, job, prompt_id, gpu, tries)
+    except (Retry, Reject, PromptFailed, *REDIS_DOWN):
+        raise
+    except Exception as exc:
+        # A bug, not an answer of the server: park the prompt in the registry (with the error)
+        # instead of letting the reaper send it again and again.
+        log.exception("prompt %s on gpu%d: unexpected error", prompt_id, gpu)
+        _record_failure(job, prompt_id, gpu, reason="internal_error", klass="permanent",
+                        error=f"{type(exc).__name__}: {exc}", status=None, attempts=tries + 1)
     finally:
         _refill(job, gpu)
+
+
+def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
+    book = ledger()
+    if shutdown.requested():
+        raise Reject("worker shutting down: prompt returned to its queue", requeue=True)
+    state = durable("reading the prompt", book.task_state, job, prompt_id)
+    if state.done:
+        book.drop_inflight(job, gpu, prompt_id)
+        return {"id": prompt_id, "skipped": "already done"}
+    if state.failed:
+        book.drop_inflight(job, gpu, prompt_id)
+        return {"id": prompt_id, "skipped": "in the failed registry (see retry-failed)"}
+    if state.messages is None or state.params is None:
+        book.drop_inflight(job, gpu, prompt_id)
+        return {"id": prompt_id, "skipped": "not pending (job removed)"}
+    params = GenerationParams.from_dict(state.params)
+    s = get_settings()
+    client = client_for(gpu)
+    circuit = breaker_for(gpu)
+    if not circuit.wait_closed(s.breaker_wait_s):
+        # Nothing was sent: the prompt goes back to the queue with its attempts unspent, and
+        # this thread is free (the visibility timeout never runs out on a waiting message).
+        why = "worker shutting down" if shutdown.requested() else \
+            f"server unavailable for {s.breaker_wait_s:.0f}s (circuit open)"
+        raise Reject(f"{why}: prompt returned to its queue", requeue=True)
+
+    attempt = tries + 1
+    rid = f"{job}:{prompt_id}:{attempt}:{(self.request.id or '')[:8]}"
+    try:
+        with shutdown.tracked(rid, lambda: client.abort(rid)):
+            if state.continuation:  # regenerate --continue: only the missing tokens
+                completion = continue_generation(client, state.continuation, params, rid)
+            else:
+                completion = client.chat(state.messages, max_tokens=params.max_tokens,
+                                         temperature=params.temperature, top_p=params.top_p,
+                                         top_k=params.top_k,
+                                         enable_thinking=params.enable_thinking, rid=rid)
+    except TransientError as exc:
+        if exc.reason == "timeout":
+            client.abort(rid)  # or the server keeps decoding for nobody
+        if shutdown.requested():
+            raise Reject(f"worker shutting down ({exc.reason}): prompt returned to its queue",
+                         requeue=True) from None
+        circuit.record_failure(str(exc))
+        if attempt <= s.max_retries:
+            if not durable("counting a retry", book.note_retry, job, prompt_id, gpu, exc.reason):
+                return {"id": prompt_id, "skipped": "done by another delivery"}
+            countdown = backoff_s(tries)
+            log.info("prompt %s on gpu%d: %s; retry %d/%d in %.1fs", prompt_id, gpu, exc,
+                     attempt, s.max_retries, countdown)
+            raise self.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
+                             args=(job, prompt_id, gpu), kwargs={"tries": attempt})
+        _fail(job, prompt_id, gpu, exc, attempt)
+    except PermanentError as exc:
+        circuit.record_success()  # the server answered
+        _fail(job, prompt_id, gpu, exc, attempt)
+    circuit.record_success()
+    row = build_row(prompt_id, state.messages, completion, job=job, gpu=gpu, params=params,
+                    attempts=attempt)
+    recorded = durable("recording the row", book.complete, job, prompt_id, gpu, row)
+    return {"id": prompt_id, "finish_reason": completion.finish_reason,
+            "completion_tokens": completion.completion_tokens, "attempts": attempt,
+            **({} if recorded else {"skipped": "duplicate delivery"})}
 
 
 def _refill(job: str, gpu: int) -> None:
@@ -171,11 +187,17 @@ def _refill(job: str, gpu: int) -> None:
 
 
 def _fail(job: str, prompt_id: str, gpu: int, exc: SGLangError, attempts: int) -> None:
-    record = {"id": prompt_id, "reason": exc.reason,
-              "class": "transient" if exc.transient else "permanent",
-              "error": str(exc)[:2000], "status": exc.status, "attempts": attempts, "gpu": gpu,
-              "at": round(time.time(), 3)}
+    _record_failure(job, prompt_id, gpu, reason=exc.reason,
+                    klass="transient" if exc.transient else "permanent", error=str(exc),
+                    status=exc.status, attempts=attempts)
+
+
+def _record_failure(job: str, prompt_id: str, gpu: int, *, reason: str, klass: str, error: str,
+                    status: int | None, attempts: int) -> None:
+    """Enter the prompt in the failed registry, then raise PromptFailed (Flower: FAILURE)."""
+    record = {"id": prompt_id, "reason": reason, "class": klass, "error": error[:2000],
+              "status": status, "attempts": attempts, "gpu": gpu, "at": round(time.time(), 3)}
     durable("recording a failure", ledger().fail, job, prompt_id, gpu, record)
-    log.warning("prompt %s failed (%s) on gpu%d after %d attempt(s): %s", prompt_id,
-                record["class"], gpu, attempts, exc)
-    raise PromptFailed(f"{exc.reason}: {exc}")
+    log.warning("prompt %s failed (%s, %s) on gpu%d after %d attempt(s): %s", prompt_id, klass,
+                reason, gpu, attempts, error[:500])
+    raise PromptFailed(f"{reason}: {error[:500]}")
