@@ -20,6 +20,7 @@ from .batches import latency_bucket_ms
 from .keys import SERVERS, WORKERS, WORKERS_SEEN, JobKeys
 from .ledger import HIST_BUCKET_TOKENS
 from .settings import Settings
+from .training_data.monitor import latest_quality
 
 RATE_BUCKET_S = 10  # the ledger's completion buckets (complete.lua)
 ALIVE_PERIODS = 3   # a GPU worker is alive while its heartbeat is under this many periods old
@@ -188,6 +189,7 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
                    "top_p": job.params.top_p, "top_k": job.params.top_k,
                    "enable_thinking": job.params.enable_thinking},
         "gpus": gpus,
+        "quality": latest_quality(r, name),  # training data: see training_data/monitor.py
         "updated_at": round(time.time(), 3),
     }
 

@@ -43,7 +43,7 @@ def tick_job(name: str) -> dict | None:
         storage = storage_for(s)
         remote = getattr(storage, "is_remote", False)
         snap = snapshot(r, name, s)
-        quality = sample_quality(r, name)  # training-data figures of fresh rows, before sealing
+        sample_quality(r, name)  # training-data figures of fresh rows (before sealing them)
         all_answered = snap["completed"] + snap["failed"] >= snap["total"] and snap["pending"] == 0
         # The error state changes only on evidence: a failed write sets it, a write that went
         # through clears it (a tick with nothing to seal proves nothing).
@@ -54,7 +54,6 @@ def tick_job(name: str) -> dict | None:
             _storage_state(r, name, exc, snap["unsealed_rows"])
         prune_rate(r, name, len(snap["gpus"]), keep_s=2 * s.rate_window_s + 60)
         snap = snapshot(r, name, s)
-        snap["quality"] = quality
         finished = snap["status"] == "running" and is_finished(snap)
         if finished:
             snap["status"] = "done"

@@ -1,6 +1,7 @@
 """The quality gate while the job runs: each beat tick samples the freshest rows of the job's
 output stream (before they are sealed), keeps a rolling window of their gate facts in Redis,
-and returns the window's figures for progress.json (`quality`), alerts included. A run that
+and stores the window's figures, alerts included, which progress.py's snapshot reads with one GET
+(`quality` in progress.json and `manage.py status --json`). A run that
 produces near-empty responses shows it within its first ticks, not after 27 hours.
 
 Cost per tick: one GET, one XREVRANGE of at most PER_TICK rows newer than the last one sampled
@@ -11,7 +12,8 @@ server's response ids, else `completion_tokens`): no tokenizer is needed.
 Redis keys (per job, beside the ledger's): `dflash:{job}:quality:cursor` (string: the newest
 stream id sampled), `dflash:{job}:quality:window` (list of `[loss, length, status, thinking,
 flags]`, newest first), `dflash:{job}:quality:sampled` (string: rows sampled so far),
-`dflash:{job}:quality:alerts` (string: the last alerts, to log a change once).
+`dflash:{job}:quality:alerts` (string: the last alerts, to log a change once),
+`dflash:{job}:quality:figures` (string: the figures, JSON).
 """
 from __future__ import annotations
 
@@ -34,6 +36,16 @@ def _keys(job: str) -> tuple[str, str, str, str]:
     k = JobKeys(job)
     return (k._k("quality:cursor"), k._k("quality:window"), k._k("quality:sampled"),
             k._k("quality:alerts"))
+
+
+def _figures_key(job: str) -> str:
+    return JobKeys(job)._k("quality:figures")
+
+
+def latest_quality(r, job: str) -> dict | None:
+    """The figures the last tick stored (None before the first sample): one GET."""
+    raw = r.get(_figures_key(job))
+    return json.loads(raw) if raw else None
 
 
 def row_fact(row: dict, rules: Rules = RULES) -> list:
@@ -84,8 +96,9 @@ def figures(report: Report, sampled: int, thresholds: Thresholds = THRESHOLDS) -
 
 
 def sample_quality(r, job: str, *, per_tick: int = PER_TICK, window: int = WINDOW) -> dict:
-    """Sample the rows that arrived since the last tick and return the window's figures (an
-    `error` entry instead when anything fails: the tick itself must go on)."""
+    """Sample the rows that arrived since the last tick, store the window's figures for the
+    snapshot and return them (an `error` entry instead when anything fails: the tick itself
+    must go on)."""
     try:
         cursor_key, window_key, sampled_key, alerts_key = _keys(job)
         cursor = r.get(cursor_key)
@@ -106,7 +119,11 @@ def sample_quality(r, job: str, *, per_tick: int = PER_TICK, window: int = WINDO
         if (r.getset(alerts_key, text) or b"[]").decode() != text and out["alerts"]:
             log.warning("job %s: training-data quality of the last %d rows sampled: %s", job,
                         out["window_rows"], "; ".join(out["alerts"]))
-        return out
     except Exception as exc:  # never let the quality sample stop progress.json
         log.exception("job %s: quality sample failed", job)
-        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        out = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    try:
+        r.set(_figures_key(job), json.dumps(out))
+    except Exception:
+        log.exception("job %s: storing the quality figures failed", job)
+    return out
