@@ -27,6 +27,7 @@ import logging
 import random
 import threading
 import time
+import uuid
 from typing import Callable, TypeVar
 
 import redis
@@ -139,7 +140,9 @@ def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
         raise Reject(f"{why}: prompt returned to its queue", requeue=True)
 
     attempt = tries + 1
-    rid = f"{job}:{prompt_id}:{attempt}:{(self.request.id or '')[:8]}"
+    # Unique per request (SGLang keys its running requests by rid), so a stray second delivery
+    # never collides with the first; `abort` uses the exact rid.
+    rid = f"{job}:{prompt_id}:{attempt}:{uuid.uuid4().hex[:12]}"
     try:
         with shutdown.tracked(rid, lambda: client.abort(rid)):
             if state.continuation:  # regenerate --continue: only the missing tokens
