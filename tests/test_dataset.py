@@ -3,7 +3,6 @@ with no sample missing or doubled, following a job while it still produces batch
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader

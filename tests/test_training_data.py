@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 from pathlib import Path
 
+import httpx
 import pyarrow.parquet as pq
 import pytest
 import zstandard
 
 from conftest import write_jsonl
-from support import ROOT, python, wait_until
+from support import ROOT, Proc, free_port, python, wait_until
 from tokenizer_support import QWEN3_STYLE_TEMPLATE, build_tokenizer
 
 from dflash_tasks.jobs import GenerationParams
@@ -76,9 +78,6 @@ def generate_rows(url: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def sim_rows(tmp_path_factory) -> list[dict]:
-    from support import Proc, free_port
-    import httpx
-
     port = free_port()
     log = tmp_path_factory.mktemp("sim") / "sim.log"
     proc = Proc(python("-m", "dflash_tasks.sim", "--port", str(port), "--decode-tps", "200000",
@@ -226,8 +225,6 @@ def good_row(i: int) -> dict:
 
 
 def manage(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
     return subprocess.run(python("manage.py", *args), cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, **(env or {})})
 
