@@ -97,3 +97,40 @@ def test_snapshot_of_a_finished_job_with_rules_and_padding(tmp_path):
     assert ds.stats["dropped:empty_answer"] == 30 and len(everything) == 90
     assert isinstance(everything[0]["input_ids"], list)
     assert torch.utils.data.get_worker_info() is None
+
+
+def test_s3_through_the_manifest_validate_export_and_two_workers(tmp_path, monkeypatch):
+    """The same, with the batches in S3 (moto over HTTP): each DataLoader worker makes its own
+    client, validate and export read the manifest there."""
+    from s3support import AWS_ENV, BUCKET, MotoServer
+    from test_training_data import manage
+
+    server = MotoServer(tmp_path / "moto.log")
+    try:
+        server.create_bucket()
+        env = {**AWS_ENV, "AWS_ENDPOINT_URL": server.url}
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        local = tmp_path / "local"
+        rows = [good_row(i) for i in range(59)] + [six_token_row(0)]  # one bad row: 1.7%
+        write_batches(local, "s3job", rows, per_batch=5)
+        client = server.client()
+        for path in sorted((local / "s3job").rglob("*")):
+            if path.is_file():
+                client.put_object(Bucket=BUCKET, Key=f"runs/{path.relative_to(local)}",
+                                  Body=path.read_bytes())
+        uri = f"s3://{BUCKET}/runs"
+
+        ds = JobDataset("s3job", uri)
+        ids = [s["id"] for s in DataLoader(ds, batch_size=None, num_workers=2)]
+        assert sorted(ids) == sorted(r["id"] for r in rows[:59])  # the bad one dropped
+
+        result = manage("validate", "--job", "s3job", "--from", uri, "--json", env=env)
+        report = json.loads(result.stdout)
+        assert result.returncode == 0 and report["rows"] == 60 and report["passed"], result.stderr
+        out = manage("export", "--job", "s3job", "--from", uri, "--format", "specforge-tokenized",
+                     "--to", str(tmp_path / "exp"), env=env)
+        assert out.returncode == 0, out.stderr
+        assert len((tmp_path / "exp" / "tokenized.jsonl").read_text().splitlines()) == 59
+    finally:
+        server.stop()
