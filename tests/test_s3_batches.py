@@ -110,7 +110,7 @@ def test_run_ships_every_batch_to_s3_with_a_matching_manifest(cluster, moto, tmp
 
     # export downloads and verifies everything ...
     out = c.manage("export", "--job", "ship", "--to", str(tmp_path / "export"))
-    assert "verified" in out.stdout and "600 (ids unique)" in out.stdout
+    assert "verified" in out.stdout and "600 (one per id)" in out.stdout
     exported = sorted((tmp_path / "export" / "batches").iterdir())
     assert [p.name for p in exported] == sorted(f"{rec['name']}.jsonl.zst" for rec in manifest["batches"])
     assert json.loads((tmp_path / "export" / "manifest.json").read_text()) == manifest
