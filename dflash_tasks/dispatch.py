@@ -54,12 +54,28 @@ def topup(app: Celery, job: str, gpu: int) -> int:
     """Fill gpu's window for job from pending; returns how many tasks were published.
 
     One round trip: take.lua moves the ids to the GPU's in-flight set and LPUSHes their Celery
-    messages in the same call (no kombu publish, no task-sent event per refill)."""
+    messages in the same call (no kombu publish, no task-sent event per refill). Once pending is
+    empty, a GPU with an empty queue takes one waiting prompt from the longest other queue of the
+    job (see take.lua): the end of a run is not spent waiting for the slowest GPU's backlog."""
     k = JobKeys(job)
-    queue = queue_for(gpu)
-    ids = _take_script()(keys=[k.config, k.pending, k.inflight(gpu), queue],
+    others = [key for g in range(job_gpus(job)) if g != gpu for key in (queue_for(g), k.inflight(g))]
+    ids = _take_script()(keys=[k.config, k.pending, k.inflight(gpu), queue_for(gpu), *others],
                          args=[window_for(gpu), job, gpu, GENERATE, _origin(), app.thread_oid])
     return len(ids)
+
+
+_gpus_cache: dict[str, tuple[float, int]] = {}
+
+
+def job_gpus(job: str) -> int:
+    """How many GPU queues the job uses (cached briefly, like the worker concurrency)."""
+    now = time.monotonic()
+    cached = _gpus_cache.get(job)
+    if cached and now - cached[0] < _CAPACITY_TTL_S:
+        return cached[1]
+    gpus = int(redis_client().hget(JobKeys(job).config, "gpus") or 1)
+    _gpus_cache[job] = (now, gpus)
+    return gpus
 
 
 @lru_cache(maxsize=1)

@@ -42,9 +42,10 @@ def worker(gpu: int, sglang_url: str | None, concurrency: int | None, loglevel: 
         except (SGLangError, ValueError, TypeError):
             slots = 0
         client.close()
-        # A few more than the decode slots, so a slot freed while a thread writes its row is
-        # taken by a request already waiting in the server's queue.
-        concurrency = slots + max(2, slots // 8) if slots else get_settings().default_concurrency
+        # A quarter more than the decode slots, so a slot freed while a thread writes its row
+        # is taken by a request already waiting in the server's queue, even through a pause of
+        # the worker process (GC, a busy CPU): benchmarks/RESULTS.md, case 3.
+        concurrency = slots + max(4, slots // 4) if slots else get_settings().default_concurrency
         err_console.print(f"gpu{gpu}: server has {slots or 'unknown'} decode slots; "
                           f"concurrency {concurrency}")
     _exec_celery(["worker", "-Q", f"gpu{gpu}", "-n", f"gpu{gpu}@%h", "-P", "threads",

@@ -1,5 +1,5 @@
 -- Top one GPU's window up: move ids from pending to that GPU's in-flight set.
--- KEYS: config, pending, inflight(gpu) [, queue]
+-- KEYS: config, pending, inflight(gpu) [, queue(gpu) [, queue(k), inflight(k) for other GPUs k]]
 -- ARGV: window [, job, gpu, task name, origin, reply_to]
 -- Returns the ids taken; none unless the job is running.
 --
@@ -8,8 +8,50 @@
 -- one round trip instead of a take plus a publish (and a task-sent event) per id. The messages
 -- are Celery protocol 2 with a plain JSON body (no body_encoding: kombu then reads the body as
 -- it is); their task ids and delivery tags are unique per job (a per-job counter, hashed).
--- The queue is the one key outside the job's hash slot: Celery's Redis broker does not run on
--- a Redis Cluster anyway.
+-- The queues are the only keys outside the job's hash slot: Celery's Redis broker does not run
+-- on a Redis Cluster anyway.
+--
+-- The end game: once pending is empty, a GPU whose own queue is empty takes one waiting
+-- message from the longest queue of another GPU (the newest one there: the last that GPU would
+-- have started), so the prompts already queued behind a slow GPU finish on whichever GPU frees
+-- a slot first instead of waiting for the slow one. Only this job's messages published here are
+-- moved (not retries, which carry their attempt count).
+local function steal()
+  local job, task = ARGV[2], ARGV[4]
+  local skip = {}
+  while true do
+    local best, best_len = nil, 0
+    for j = 5, #KEYS, 2 do
+      if not skip[j] then
+        local len = redis.call('LLEN', KEYS[j])
+        if len > best_len then
+          best, best_len = j, len
+        end
+      end
+    end
+    if best == nil then
+      return nil
+    end
+    local raw = redis.call('LPOP', KEYS[best])
+    local id = nil
+    local ok, msg = pcall(cjson.decode, raw)
+    if ok and type(msg) == 'table' and type(msg.properties) == 'table' and type(msg.headers) == 'table'
+       and msg.properties.body_encoding == nil and msg.headers.task == task
+       and type(msg.body) == 'string' then
+      local ok2, body = pcall(cjson.decode, msg.body)
+      if ok2 and type(body) == 'table' and type(body[1]) == 'table' and body[1][1] == job
+         and type(body[1][2]) == 'string' and type(body[2]) == 'table' and next(body[2]) == nil then
+        id = body[1][2]
+      end
+    end
+    if id ~= nil and redis.call('ZREM', KEYS[best + 1], id) == 1 then
+      return id
+    end
+    redis.call('LPUSH', KEYS[best], raw)  -- not ours to move: back where it was
+    skip[best] = true
+  end
+end
+
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then
   return {}
 end
@@ -19,7 +61,16 @@ if room <= 0 then
 end
 local ids = redis.call('LPOP', KEYS[2], room)
 if not ids then
-  return {}
+  ids = {}
+  if KEYS[5] ~= nil and redis.call('LLEN', KEYS[4]) == 0 then
+    local stolen = steal()
+    if stolen then
+      ids[1] = stolen
+    end
+  end
+  if #ids == 0 then
+    return {}
+  end
 end
 local now = redis.call('TIME')
 local scored = {}
