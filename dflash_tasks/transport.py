@@ -62,6 +62,20 @@ class Channel(kombu_redis.Channel):
             raise redis.ConnectionError("the broker connection is closed")
         return super()._connparams(asynchronous=asynchronous)
 
+    def _create_client(self, asynchronous=False):
+        """One synchronous client per channel and pool, not one per operation: kombu makes a
+        new redis.Redis for every ack, publish and unacked record, and with redis-py 8 that
+        construction was about a tenth of a GPU worker's CPU (benchmarks/RESULTS.md, case 4).
+        redis.Redis is thread-safe; the pool is what reconnects, and a new pool gets a new
+        client."""
+        if asynchronous:
+            return super()._create_client(asynchronous=True)
+        pool = self.pool
+        cached = self.__dict__.get("_sync_client")
+        if cached is None or cached.connection_pool is not pool:
+            cached = self.__dict__["_sync_client"] = super()._create_client(asynchronous=False)
+        return cached
+
     def _brpop_read(self, **options):
         try:
             return super()._brpop_read(**options)
