@@ -167,3 +167,33 @@ def _job_and_id(entry) -> tuple[str, str]:
         return str(args[0]), str(args[1])
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return "", ""
+
+
+def restore_orphans(app: Celery, queue: str, delivered_before: float) -> int:
+    """Put back in `queue` the unacknowledged messages of that queue delivered before
+    `delivered_before`: a worker starting on a GPU queue calls it with its own start time, so
+    what its predecessor held when it was killed (running requests, retries waiting for their ETA)
+    is sent again now instead of after the visibility timeout. One worker consumes a GPU queue:
+    only a dead one can hold such messages (if the old one is in fact still finishing, its copies
+    are harmless: the ledger records a prompt once). Returns how many were restored."""
+    r = redis_client()
+    index = f"{UNACKED}_index"
+    tags = []
+    for tag, raw in r.hscan_iter(UNACKED, count=1000):
+        try:
+            payload, exchange, routing_key = json.loads(raw)
+        except (ValueError, TypeError):
+            continue
+        if queue in (routing_key, exchange):
+            tags.append(tag)
+    if not tags:
+        return 0
+    old = [t for t, score in zip(tags, r.zmscore(index, tags))
+           if score is not None and score < delivered_before]
+    if not old:
+        return 0
+    with app.connection_for_write() as conn:
+        qos = conn.default_channel.qos
+        for tag in old:
+            qos.restore_by_tag(tag.decode() if isinstance(tag, bytes) else tag)
+    return len(old)

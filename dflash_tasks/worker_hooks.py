@@ -107,3 +107,24 @@ def _check_failure_settings(sender, instance, conf, **_):
         from .breaker import publish_closed
 
         publish_closed(gpu, s.sglang_url_for(gpu))
+
+
+_STARTED_AT = time.time()  # before this process consumed anything: older deliveries are not ours
+
+
+@signals.worker_ready.connect
+def _restore_predecessors_messages(sender, **_):
+    """A GPU worker starting after one was killed (SIGKILL, OOM, node lost) takes back what the
+    dead one held at once, rather than after the visibility timeout (hours)."""
+    from . import dispatch
+    from .keys import queue_for
+
+    for gpu in gpus_consumed(sender.app):
+        try:
+            restored = dispatch.restore_orphans(sender.app, queue_for(gpu), _STARTED_AT)
+        except Exception:
+            log.exception("gpu%d: could not look for messages a previous worker left", gpu)
+            continue
+        if restored:
+            log.warning("gpu%d: %d message(s) a previous worker held unacknowledged are back in "
+                        "the queue", gpu, restored)

@@ -248,7 +248,7 @@ def test_permanent_failures_are_registered_at_once_and_retry_failed_is_idempoten
         assert (rec["reason"], rec["class"], rec["attempts"], rec["status"]) == \
                ("invalid_request", "permanent", 1, 400), (pid, rec)
     assert "maximum context length of 8192" in registry["long0"]["error"]
-    assert "Input length (9" in registry["huge"]["error"]
+    assert "The input (9" in registry["huge"]["error"]
     assert "Messages cannot be empty" in registry["empty"]["error"]
     assert "validation error" in registry["shapeless"]["error"]
     assert sim_stats(c.url(0))["requests"] == len(good) + len(bad)  # one attempt each, no retry
@@ -325,9 +325,10 @@ def test_warm_shutdown_returns_in_flight_prompts_at_once(cluster, tmp_path):
 
 def test_sigkill_while_retries_wait_loses_and_doubles_nothing(cluster, tmp_path):
     """SIGKILL of a worker holding running requests and retries waiting for their ETA: all of
-    them are unacknowledged messages, delivered again after the visibility timeout (15 s here)
-    to the next worker; the ledger keeps one row each."""
-    c = cluster(visibility_timeout_s=15, reap_after_s=600, retry_base_s=1, retry_cap_s=4)
+    them are unacknowledged messages. The next worker on that queue puts them back at start (the
+    visibility timeout, an hour here, would otherwise hold them); the ledger keeps one row each."""
+    c = cluster(visibility_timeout_s=3600, reap_after_s=7200, lost_message_grace_s=3600,
+                retry_base_s=1, retry_cap_s=4)
     c.start_server(0, "--slots", "40", "--decode-tps", "1500", "--fail-503", "0.1", "--seed", "3")
     worker = c.start_worker(0)
     c.start_beat()
@@ -338,7 +339,8 @@ def test_sigkill_while_retries_wait_loses_and_doubles_nothing(cluster, tmp_path)
     assert c.r.hlen("unacked") > 0
     worker.kill()
     assert c.status("kill9")["in_flight"] > 0
-    c.start_worker(0)
+    again = c.start_worker(0)
     c.wait_done("kill9", timeout=240)
+    assert "a previous worker held unacknowledged are back in the queue" in again.log()
     check_books(c, "kill9", {r["id"] for r in rows})
     assert counters(c, "kill9")["retries"] > 0

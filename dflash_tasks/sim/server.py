@@ -830,8 +830,10 @@ def _check_sampling(params: dict, native: bool = False) -> None:
 def _check_context(input_tokens: int, max_new: int | None, context_length: int, openai: bool) -> int:
     """The completion budget, or SGLang's 400 when the request cannot fit the context."""
     if input_tokens >= context_length:
-        message = (f"Input length ({input_tokens} tokens) exceeds the maximum allowed length "
-                   f"({context_length} tokens). Use a shorter input or enable --allow-auto-truncate.")
+        # SGLang 0.5.23's tokenizer manager, on both endpoints (its scheduler's "Input length
+        # (...) exceeds the maximum allowed length" is reached only by inputs within 6 tokens).
+        message = (f"The input ({input_tokens} tokens) is longer than the model's context length "
+                   f"({context_length} tokens).")
     elif max_new is not None and input_tokens + max_new > context_length:
         message = (f"Requested token count exceeds the model's maximum context length of {context_length} "
                    f"tokens. You requested a total of {input_tokens + max_new} tokens: {input_tokens} tokens "
