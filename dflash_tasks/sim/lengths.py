@@ -115,7 +115,7 @@ def chat_plan(messages: Sequence[dict], max_tokens: int | None = None, *, enable
     cap = context_length - plan.prompt_tokens if max_tokens is None else max_tokens
     completion, finish = plan.outcome(0, cap)
     return ChatOutcome(plan.prompt_tokens, completion, plan.natural_tokens, finish,
-                       plan.layout.reasoning_words(completion))
+                       plan.layout.reasoning_tokens(completion))
 
 
 def service_seconds(prompt_tokens: int, completion_tokens: int, *, decode_tps: float = 2000.0,

@@ -4,7 +4,7 @@ One asyncio process. A generation request (`/v1/chat/completions` or `/generate`
 one of `slots` decode slots, holds it for prefill + completion/decode_tps seconds (times the slow
 factor), then answers in SGLang's exact JSON shapes (as captured from SGLang 0.5.23; the tests
 hold the key lists and error messages). What it answers is deterministic per prompt (see `lengths`
-and `tokens`): `usage.reasoning_tokens` counts the words between `<think>` and `</think>`, and
+and `tokens`): `usage.reasoning_tokens` counts the tokens up to and including `</think>` (as SGLang does), and
 `completion_tokens` equals `len(response_token_ids)`, markers and `<|im_end|>` included.
 
 `/generate` with `input_ids` = a chat's prompt ids + some of its response ids continues the same
@@ -486,7 +486,7 @@ class SimServer:
         n = job.completion
         aborted = outcome in ("abort", "abort_waiting")
         finish = "abort" if aborted else job.finish
-        reasoning = layout.reasoning_words(n)
+        reasoning = layout.reasoning_tokens(n)
         if params["thinking"] and params["separate"]:
             message = {"role": "assistant", "content": layout.answer_text(n),
                        "reasoning_content": layout.reasoning_text(n)}

@@ -202,6 +202,11 @@ class Layout:
         """How many reasoning words lie in positions 0..stop (markers not counted)."""
         return max(0, min(stop - 1, self.reasoning)) if self.thinking else 0
 
+    def reasoning_tokens(self, stop: int) -> int:
+        """SGLang's usage.reasoning_tokens for positions 0..stop: every token up to and including
+        `</think>`, the markers counted (checked against the real 0.5.23 server)."""
+        return min(stop, self.reasoning + 2) if self.thinking else 0
+
     def answer_words(self, stop: int) -> int:
         """How many answer words lie in positions 0..stop."""
         if self.thinking:
