@@ -95,5 +95,5 @@ def retry_failed(name: str, reason: str | None, gpu: int | None, dry_run: bool, 
         err_console.print(f"[yellow]job {name} is {report.status}: they are queued and will be "
                           "dispatched when it runs again[/]")
     elif report.requeued and not dry_run:
-        console.print(f"{report.dispatched:,} sent to GPU queues now, the rest as slots free up "
-                      f"(watch: python manage.py status --job {job.name})")
+        console.print(f"GPU windows topped up ({report.dispatched:,} tasks sent); the rest go as "
+                      f"slots free up (watch: python manage.py status --job {job.name})")
