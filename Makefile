@@ -20,5 +20,9 @@ test: install
 demo: install
 	$(PY) -m dflash_tasks.demo
 
+# The performance benchmark (about ten minutes): prints the table and writes benchmarks/RESULTS.md.
+bench: install
+	$(PY) -m benchmarks
+
 clean:
 	rm -rf $(VENV) output test-artifacts

@@ -41,6 +41,7 @@ class LocalCluster:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.children: list[subprocess.Popen] = []
+        self.named: dict[str, subprocess.Popen] = {}  # log name -> process (benchmarks read CPU times)
         self.server_urls: list[str] = []
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -48,6 +49,7 @@ class LocalCluster:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env,
                                 start_new_session=True)
         self.children.append(proc)
+        self.named[name] = proc
         return proc
 
     def start_redis(self, port: int, data_dir: Path, appendonly: bool = True) -> str:
@@ -60,24 +62,32 @@ class LocalCluster:
         self.env["DFLASH_REDIS_URL"] = url
         return url
 
-    def start_servers(self, n: int, sim_args: list[str], ports: list[int] | None = None) -> list[str]:
-        for gpu in range(n):
-            port = ports[gpu] if ports else free_port()
+    def start_servers(self, n: int, sim_args: list[str], ports: list[int] | None = None,
+                      extra_args: dict[int, list[str]] | None = None) -> list[str]:
+        """n simulated servers with `sim_args`; `extra_args[i]` is added for server i only
+        (e.g. a slower one). All are started before the first health wait."""
+        first = len(self.server_urls)
+        urls = []
+        for i in range(n):
+            gpu = first + i
+            port = ports[i] if ports else free_port()
             self.spawn(f"sim{gpu}", [sys.executable, "manage.py", "sim-server", "--port", str(port),
-                                     *sim_args])
-            url = f"http://127.0.0.1:{port}"
+                                     *sim_args, *(extra_args or {}).get(i, [])])
+            urls.append(f"http://127.0.0.1:{port}")
+        for gpu, url in enumerate(urls, first):
             wait_for(f"simulated server gpu{gpu}",
                      lambda: httpx.get(url + "/health").status_code == 200)
             self.server_urls.append(url)
         return self.server_urls
 
-    def start_workers(self) -> None:
+    def start_workers(self, concurrency: int | None = None) -> None:
         r = redis.Redis.from_url(self.env["DFLASH_REDIS_URL"])
         gpus = range(len(self.server_urls))
         r.hdel("dflash:workers", *[f"gpu{gpu}" for gpu in gpus])
+        extra = ["--concurrency", str(concurrency)] if concurrency else []
         for gpu, url in enumerate(self.server_urls):
             self.spawn(f"worker{gpu}", [sys.executable, "manage.py", "worker", "--gpu", str(gpu),
-                                        "--sglang-url", url])
+                                        "--sglang-url", url, *extra])
         for gpu in gpus:
             wait_for(f"worker gpu{gpu}", lambda: r.hexists("dflash:workers", f"gpu{gpu}"))
 

@@ -1,0 +1,1 @@
+"""The performance benchmark (`make bench`): see bench.py."""

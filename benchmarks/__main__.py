@@ -1,0 +1,3 @@
+from benchmarks.bench import main
+
+main()

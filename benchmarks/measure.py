@@ -1,0 +1,193 @@
+"""What the benchmark reads: the ideal makespan from the simulated model, the servers' own
+counts (polled), and the CPU time each process spent."""
+from __future__ import annotations
+
+import heapq
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from dflash_tasks.prompts import read_prompts
+from dflash_tasks.sim.lengths import chat_plan, greedy_makespan, service_seconds
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+# -- the ideal ----------------------------------------------------------------------------------
+
+def unit_service_times(dataset: Path, max_tokens: int, decode_tps: float) -> list[float]:
+    """Each prompt's decode-slot time on a server of speed 1, priced exactly as the simulated
+    server prices it (prefill of the prompt, then decoding of the completion)."""
+    out = []
+    for p in read_prompts(dataset):
+        plan = chat_plan(list(p.messages), max_tokens)
+        out.append(service_seconds(plan.prompt_tokens, plan.completion_tokens, decode_tps=decode_tps))
+    return out
+
+
+def ideal_makespan(times: list[float], slots: list[int], slow: list[float]) -> float:
+    """A lower bound on any schedule: all the work spread over all slots at their speeds
+    (server i does 1/slow[i] seconds of work per slot-second), or the longest single request
+    on the fastest server. With equal servers: max(total / total slots, longest)."""
+    capacity = sum(n / f for n, f in zip(slots, slow))
+    return max(sum(times) / capacity, max(times) * min(slow))
+
+
+def dynamic_makespan(times: list[float], slots: list[int], slow: list[float]) -> float:
+    """A zero-overhead dispatcher in dataset order: each prompt to the first slot to free up
+    anywhere. Not a bound, a reference: it shows the drain at the end that no dispatcher
+    without foreknowledge of output lengths avoids."""
+    free = [(0.0, f) for n, f in zip(slots, slow) for _ in range(n)]
+    heapq.heapify(free)
+    end = 0.0
+    for t in times:
+        at, f = heapq.heappop(free)
+        done = at + t * f
+        end = max(end, done)
+        heapq.heappush(free, (done, f))
+    return end
+
+
+def static_makespan(times: list[float], slots: list[int], slow: list[float]) -> float:
+    """The baseline's schedule without its client's overhead: prompt i to server i mod n up
+    front, each server's share in order over its own slots."""
+    n = len(slots)
+    return max(greedy_makespan([t * slow[i] for t in times[i::n]], slots[i]) for i in range(n))
+
+
+# -- the servers' own counts --------------------------------------------------------------------
+
+@dataclass
+class ServerSeries:
+    url: str
+    samples: list[tuple[float, float, int, int]] = field(default_factory=list)  # now, busy_live, running, queued
+    final: dict | None = None
+
+    def busy_at(self, t: float) -> float:
+        """Busy slot-seconds up to time t, interpolated between samples (busy time grows at the
+        rate of the running requests, so the error is at most a sample interval of change)."""
+        s = self.samples
+        if not s or t <= s[0][0]:
+            return s[0][1] if s else 0.0
+        for (t0, b0, *_), (t1, b1, *_) in zip(s, s[1:]):
+            if t0 <= t <= t1:
+                return b0 + (b1 - b0) * (t - t0) / (t1 - t0) if t1 > t0 else b1
+        return s[-1][1]
+
+
+class ServerPoller:
+    """Polls /sim/stats of some servers every `interval` seconds on a thread of its own."""
+
+    def __init__(self, urls: list[str], interval: float = 0.25):
+        self.series = [ServerSeries(u) for u in urls]
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._client = httpx.Client(timeout=10.0)
+
+    def __enter__(self) -> "ServerPoller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        for s in self.series:
+            s.final = self._client.get(s.url + "/sim/stats").json()
+        self._client.close()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            for s in self.series:
+                try:
+                    st = self._client.get(s.url + "/sim/stats").json()
+                except httpx.HTTPError:
+                    continue
+                s.samples.append((st["now"], st["busy_slot_seconds_live"], st["running"], st["queued"]))
+
+
+@dataclass
+class RunFigures:
+    makespan: float
+    first_request: float
+    last_finished: float
+    drain_start: float        # the last time any request got a slot: no work waited anywhere after it
+    occupancy: float          # busy slot-seconds / slot-seconds, first request to drain_start
+    service_sum: float        # the servers' own total service seconds
+    requests: int
+
+
+def figures(series: list[ServerSeries]) -> RunFigures:
+    finals = [s.final for s in series]
+    first = min(f["first_request_at"] for f in finals if f["first_request_at"])
+    last = max(f["last_finished_at"] for f in finals if f["last_finished_at"])
+    drain = max(f["last_started_at"] for f in finals if f["last_started_at"])
+    busy = sum(s.busy_at(drain) for s in series)
+    slots = sum(f["slots"] for f in finals)
+    return RunFigures(makespan=last - first, first_request=first, last_finished=last,
+                      drain_start=drain, occupancy=busy / (slots * (drain - first)),
+                      service_sum=sum(f["service_seconds_sum"] for f in finals),
+                      requests=sum(f["requests"] for f in finals))
+
+
+# -- CPU time per process -----------------------------------------------------------------------
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads), 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+class CpuMeter:
+    """CPU seconds spent by named processes between start() and stop()."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = pids
+        self.start_at: dict[str, float] = {}
+        self.used: dict[str, float] = {}
+
+    def start(self) -> "CpuMeter":
+        self.start_at = {n: cpu_seconds(p) for n, p in self.pids.items()}
+        self.wall0 = time.monotonic()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        self.wall = time.monotonic() - self.wall0
+        self.used = {n: cpu_seconds(p) - self.start_at[n] for n, p in self.pids.items()}
+        return self.used
+
+    def grouped(self) -> dict[str, float]:
+        """CPU seconds per kind of process (sim0..3 -> sim, worker0..3 -> worker)."""
+        out: dict[str, float] = {}
+        for name, used in self.used.items():
+            kind = name.rstrip("0123456789")
+            out[kind] = out.get(kind, 0.0) + used
+        return out
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds the whole machine spent busy (all processes, /proc/stat)."""
+    parts = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    values = list(map(int, parts))
+    idle = values[3] + values[4]  # idle + iowait
+    return (sum(values[:8]) - idle) / _TICK
+
+
+def machine_description() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    return f"{os.cpu_count()} CPUs ({model}), {mem_gb:.0f} GiB RAM"

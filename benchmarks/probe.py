@@ -1,0 +1,61 @@
+"""Times the operator's reads of a job, in a process of their own (settings come from the
+environment): `manage.py status --json` run in-process, progress.snapshot (what status and
+progress.json print) and beat's whole tick for the job (seal, prune, write progress.json).
+
+    DFLASH_REDIS_URL=... DFLASH_OUTPUT_DIR=... python -m benchmarks.probe --job NAME
+
+Prints {"status_ms": median, "snapshot_ms": ..., "tick_ms": ...} (medians of --repeat calls,
+after one warm-up call each, so imports are not counted).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def median_ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--job", required=True)
+    ap.add_argument("--repeat", type=int, default=15)
+    args = ap.parse_args()
+
+    from click.testing import CliRunner
+
+    from dflash_tasks.cli import cli
+    from dflash_tasks.connections import redis_client
+    from dflash_tasks.progress import snapshot
+    from dflash_tasks.settings import get_settings
+    from dflash_tasks.tasks.control import tick_job
+
+    r, s = redis_client(), get_settings()
+    runner = CliRunner()
+
+    def status() -> None:
+        result = runner.invoke(cli, ["status", "--job", args.job, "--json"])
+        assert result.exit_code == 0, result.output
+        json.loads(result.output)
+
+    out = {"status_ms": median_ms(status, args.repeat),
+           "snapshot_ms": median_ms(lambda: snapshot(r, args.job, s), args.repeat),
+           "tick_ms": median_ms(lambda: tick_job(args.job), args.repeat)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
