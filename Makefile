@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-sglang demo bench clean
 
 install: $(STAMP)
 
@@ -16,6 +16,12 @@ $(STAMP): requirements.txt
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The same checks as tests/test_sglang_parity.py, against the real SGLang 0.5.23 on CPU with a tiny
+# model (docs/REAL_SGLANG.md). The first run installs SGLang into .sglang-venv (about 2.6 GB).
+test-sglang: install
+	bash tools/sglang_cpu/install.sh
+	DFLASH_SGLANG_VENV=$(CURDIR)/.sglang-venv $(PY) -m pytest -q tests/sglang_real
 
 demo: install
 	$(PY) -m dflash_tasks.demo

@@ -1,0 +1,273 @@
+"""What the project relies on from an SGLang server, written once and run twice: against the
+simulated server in `make test` (tests/test_sglang_parity.py) and against the real SGLang 0.5.23
+with a tiny model in `make test-sglang` (tests/sglang_real/). Where the two servers differ, a pair
+of these checks fails on one side only, and the simulated server is what gets fixed.
+
+Every check takes a `Served` (the server's URL and what it was started with) and, for the
+end-to-end ones, a cluster whose gpu0 worker talks to that server. The checks never assume a
+particular text: a row is compared with what the same server answers to the same request, and
+with invariants any Qwen3-style thinking output must meet. Both servers must be deterministic
+per prompt (the sim is; the tiny model is a bigram table that always says the same thing).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from conftest import write_jsonl
+from failure_support import check_books, counters, failed_registry
+
+from dflash_tasks import server_metrics
+from dflash_tasks.sglang import SGLangClient
+from dflash_tasks.sglang.errors import InvalidRequest
+
+CONTEXT_LENGTH = 8192   # both servers are started with this context length
+SMALL_CAP = 4           # cuts every output while it still thinks
+CUT_CAP = 6             # the cap a regenerate --continue starts from
+BIG_CAP = 256           # far above either server's whole output: every row stops by itself
+QWEN3_THINK, QWEN3_THINK_END, QWEN3_IM_END = 151667, 151668, 151645
+METRIC_FAMILIES = {  # what the simulated server serves of the real server's 80-odd families
+    f"sglang:{name}": kind for name, kind in (
+        ("num_running_reqs", "gauge"), ("num_queue_reqs", "gauge"), ("gen_throughput", "gauge"),
+        ("cache_hit_rate", "gauge"), ("token_usage", "gauge"), ("num_used_tokens", "gauge"),
+        ("utilization", "gauge"), ("max_total_num_tokens", "gauge"), ("context_len", "gauge"),
+        ("prompt_tokens_total", "counter"), ("generation_tokens_total", "counter"),
+        ("num_requests_total", "counter"), ("cached_tokens_total", "counter"),
+        ("e2e_request_latency_seconds", "histogram"))}
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str
+    model: str
+    kind: str  # "sim" or "real"
+
+
+def prompts(n: int, prefix: str) -> list[dict]:
+    return [{"id": f"{prefix}{i:03d}", "prompt": f"Task {i}: reason about case {i * 104729 % 9973}."}
+            for i in range(n)]
+
+
+def fresh_chat(s: Served, messages: list[dict], max_tokens: int, **extra) -> dict:
+    """The server's own answer to one request, as the worker sends it."""
+    body = {"model": s.model, "messages": messages, "max_tokens": max_tokens,
+            "chat_template_kwargs": {"enable_thinking": True}, "separate_reasoning": True,
+            "return_token_ids": True, "temperature": 0.6, **extra}
+    r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def check_thinking_row(row: dict) -> None:
+    """What any row of a thinking model must be: reasoning and answer apart, counts that agree
+    with the token ids, markers neither in the answer nor in the reasoning."""
+    meta, answer = row["metadata"], row["conversations"][-1]
+    ids = row["token_ids"]
+    assert answer["role"] == "assistant"
+    assert meta["completion_tokens"] == len(ids["response"]) > 0
+    assert meta["prompt_tokens"] == len(ids["prompt"]) > 0
+    assert ids["response"][0] == QWEN3_THINK and ids["prompt"][-1] != QWEN3_THINK
+    reasoning, content = answer["reasoning_content"] or "", answer["content"] or ""
+    assert reasoning.strip(), row
+    for marker in ("<think>", "</think>", "<|im_end|>"):
+        assert marker not in reasoning and marker not in content, (marker, row)
+    if QWEN3_THINK_END in ids["response"]:  # SGLang counts every token up to and including </think>
+        assert meta["reasoning_tokens"] == ids["response"].index(QWEN3_THINK_END) + 1
+    else:
+        assert meta["reasoning_tokens"] == meta["completion_tokens"] and content == ""
+    if meta["finish_reason"] == "stop":
+        assert row["status"] == "success" and ids["response"][-1] == QWEN3_IM_END
+        assert content.strip(), row
+    else:
+        assert meta["finish_reason"] == "length" and row["status"] == "truncated"
+        assert meta["completion_tokens"] == meta["max_tokens"]
+
+
+def same_as_fresh(s: Served, row: dict) -> None:
+    """A row says exactly what the server answers to a fresh request at the row's cap."""
+    meta, answer = row["metadata"], row["conversations"][-1]
+    fresh = fresh_chat(s, row["conversations"][:-1], meta["max_tokens"])
+    choice, usage = fresh["choices"][0], fresh["usage"]
+    assert choice["response_token_ids"] == row["token_ids"]["response"], row["id"]
+    assert choice["prompt_token_ids"] == row["token_ids"]["prompt"], row["id"]
+    assert choice["finish_reason"] == meta["finish_reason"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["reasoning_tokens"]) == \
+           (meta["prompt_tokens"], meta["completion_tokens"], meta["reasoning_tokens"])
+    assert (choice["message"]["reasoning_content"] or "").split() == (answer["reasoning_content"] or "").split()
+    assert (choice["message"]["content"] or "").split() == (answer["content"] or "").split()
+
+
+# ---------------------------------------------------------------------------- the HTTP surface
+
+
+def check_http_surface(s: Served) -> None:
+    """The endpoints and shapes the client reads, and the error shapes it classifies."""
+    client = SGLangClient(s.url)
+    try:
+        assert client.healthy()
+        assert client.served_model() == s.model
+        assert httpx.get(s.url + "/health_generate", timeout=60).status_code == 200
+        info = client.server_info()
+        assert info["version"] == "0.5.23", info.get("version")
+        model_info = httpx.get(s.url + "/model_info", timeout=10).json()
+        assert model_info["served_model_name"] == s.model and model_info["is_generation"] is True
+        models = httpx.get(s.url + "/v1/models", timeout=10).json()
+        assert models["data"][0]["max_model_len"] == CONTEXT_LENGTH
+
+        done = client.chat([{"role": "user", "content": "Task 1: hello"}], max_tokens=BIG_CAP,
+                           temperature=0.6)
+        assert done.finish_reason == "stop" and done.reasoning_content and done.content
+        assert done.completion_tokens == len(done.response_token_ids)
+        assert done.prompt_tokens == len(done.prompt_token_ids)
+        assert done.matched_stop == QWEN3_IM_END
+        cut = client.chat([{"role": "user", "content": "Task 1: hello"}], max_tokens=SMALL_CAP)
+        assert (cut.finish_reason, cut.completion_tokens, cut.content) == ("length", SMALL_CAP, "")
+        assert cut.reasoning_tokens == SMALL_CAP and cut.matched_stop is None
+        assert cut.response_token_ids == done.response_token_ids[:SMALL_CAP]
+
+        # /generate continues from token ids; the prefix cache serves the known part.
+        g = client.generate(cut.prompt_token_ids + cut.response_token_ids,
+                            max_new_tokens=BIG_CAP, rid="surface-continue")
+        assert cut.response_token_ids + g.output_ids == done.response_token_ids
+        assert (g.finish_reason, g.matched_stop) == ("stop", QWEN3_IM_END)
+        assert g.completion_tokens == len(g.output_ids)
+        assert g.cached_tokens > 0
+        raw = httpx.post(s.url + "/generate", timeout=60, json={
+            "input_ids": cut.prompt_token_ids, "sampling_params": {"max_new_tokens": 2}}).json()
+        assert raw["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+        assert raw["output_ids"] == done.response_token_ids[:2]
+
+        # Errors: 400 with the OpenAI error object, fixed messages.
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=30,
+                       json={"model": s.model, "messages": [], "max_tokens": 4})
+        assert r.status_code == 400
+        assert r.json() == {"object": "error", "message": "Messages cannot be empty.",
+                            "type": "BadRequestError", "param": None, "code": 400}
+        too_long = [{"role": "user", "content": " ".join(f"w{j}" for j in range(9000))}]
+        try:
+            client.chat(too_long, max_tokens=16)
+            raise AssertionError("a prompt longer than the context was accepted")
+        except InvalidRequest as exc:
+            assert exc.status == 400 and "is longer than the model's context length (8192 tokens)" in str(exc)
+        r = httpx.post(s.url + "/generate", timeout=30, json={
+            "input_ids": [cut.prompt_token_ids[0]] * 9000, "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code == 400
+        assert r.json() == {"error": {"message": "The input (9000 tokens) is longer than the "
+                                                 "model's context length (8192 tokens)."}}
+        r = httpx.post(s.url + "/generate", timeout=30, json={
+            "input_ids": cut.prompt_token_ids, "sampling_params": {"max_new_tokens": CONTEXT_LENGTH}})
+        assert r.status_code == 400
+        n = len(cut.prompt_token_ids)
+        assert r.json()["error"]["message"] == (
+            f"Requested token count exceeds the model's maximum context length of {CONTEXT_LENGTH} "
+            f"tokens. You requested a total of {n + CONTEXT_LENGTH} tokens: {n} tokens from the "
+            f"input messages and {CONTEXT_LENGTH} tokens for the completion. Please reduce the "
+            f"number of tokens in the input messages or the completion to fit within the limit.")
+
+        # /metrics into the per-GPU view: every family we read is there.
+        sample = server_metrics.sample(client)
+        assert sample["error"] is None, sample
+        assert set(server_metrics.FAMILIES.values()) <= set(sample), sample
+        text = client.metrics_text()
+        types = {line.split()[2]: line.split()[3] for line in text.splitlines()
+                 if line.startswith("# TYPE sglang:")}
+        missing = {name: kind for name, kind in METRIC_FAMILIES.items() if types.get(name) != kind}
+        assert not missing, f"families missing or of another type: {missing}"
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+def check_job_end_to_end(c, s: Served, tmp_path: Path) -> None:
+    """A small job through a real worker: rows with reasoning and answer apart, token ids kept,
+    usage counted exactly, finish_reason 'stop' under a large cap and 'length' under a small one,
+    and the server's own load read from its /metrics into status's per-GPU view."""
+    rows = prompts(6, "e")
+    path = write_jsonl(tmp_path / "e2e.jsonl", rows)
+    c.manage("enqueue", "--dataset", str(path), "--job", "stops", "--max-output-tokens", str(BIG_CAP))
+    c.wait_done("stops", timeout=240)
+    out = check_books(c, "stops", {r["id"] for r in rows})
+    assert {r["metadata"]["finish_reason"] for r in out} == {"stop"}
+    for row in out:
+        check_thinking_row(row)
+        assert row["metadata"]["model"] == s.model and row["metadata"]["gpu"] == 0
+    same_as_fresh(s, out[0])
+    snap = c.status("stops")
+    assert snap["finish_reasons"] == {"stop": len(rows)}
+
+    path = write_jsonl(tmp_path / "cut.jsonl", prompts(4, "c"))
+    c.manage("enqueue", "--dataset", str(path), "--job", "cuts", "--max-output-tokens", str(SMALL_CAP))
+    c.wait_done("cuts", timeout=240)
+    out = check_books(c, "cuts", {f"c{i:03d}" for i in range(4)})
+    for row in out:
+        check_thinking_row(row)
+        assert (row["metadata"]["finish_reason"], row["metadata"]["completion_tokens"]) == ("length", SMALL_CAP)
+    same_as_fresh(s, out[0])
+    assert c.status("cuts")["total_output_tokens"] == 4 * SMALL_CAP
+
+    server = c.status("stops")["gpus"]["gpu0"]["server"]
+    assert server["error"] is None, server
+    for key in ("running", "queued", "gen_throughput", "token_usage", "cache_hit_rate"):
+        assert isinstance(server[key], (int, float)), (key, server)
+    assert "server:" in c.manage("status", "--job", "stops").stdout
+
+
+def check_context_errors(c, s: Served, tmp_path: Path) -> None:
+    """Requests over the context length are permanent failures, one attempt each, with the
+    server's own message; the rest of the job completes."""
+    good = prompts(3, "g")
+    huge = [{"id": "huge", "prompt": " ".join(f"w{j}" for j in range(9000))}]
+    path = write_jsonl(tmp_path / "ctx.jsonl", good + huge)
+    c.manage("enqueue", "--dataset", str(path), "--job", "ctx", "--max-output-tokens", "64")
+    c.wait_done("ctx", timeout=240)
+    check_books(c, "ctx", {r["id"] for r in good}, {"huge"})
+    rec = failed_registry(c, "ctx")["huge"]
+    assert (rec["reason"], rec["class"], rec["attempts"], rec["status"]) == \
+           ("invalid_request", "permanent", 1, 400), rec
+    assert "is longer than the model's context length (8192 tokens)" in rec["error"], rec
+
+    # Input fits, input + cap does not.
+    path = write_jsonl(tmp_path / "cap.jsonl", prompts(1, "k"))
+    c.manage("enqueue", "--dataset", str(path), "--job", "capped", "--max-output-tokens", str(CONTEXT_LENGTH))
+    c.wait_done("capped", timeout=240)
+    rec = failed_registry(c, "capped")["k000"]
+    assert (rec["reason"], rec["class"], rec["attempts"], rec["status"]) == \
+           ("invalid_request", "permanent", 1, 400), rec
+    assert "exceeds the model's maximum context length of 8192 tokens" in rec["error"], rec
+    assert counters(c, "ctx").get("retries", 0) == counters(c, "capped").get("retries", 0) == 0
+
+
+def check_regenerate_continue(c, s: Served, tmp_path: Path) -> None:
+    """regenerate --continue through /generate: rows cut at a small cap go on from their own
+    token ids after the cap is raised, and each ends exactly as one generation at the new cap."""
+    rows = prompts(4, "r")
+    path = write_jsonl(tmp_path / "regen.jsonl", rows)
+    c.manage("enqueue", "--dataset", str(path), "--job", "regen", "--max-output-tokens", str(CUT_CAP))
+    c.wait_done("regen", timeout=240)
+    cut = check_books(c, "regen", {r["id"] for r in rows})
+    assert all(r["metadata"]["finish_reason"] == "length" for r in cut)
+    c.manage("set", "--job", "regen", "--max-output-tokens", str(BIG_CAP))
+    out = c.manage("regenerate", "--job", "regen", "--finish-reason", "length", "--continue").stdout
+    assert f"{len(rows) * CUT_CAP:,} tokens reused" in out, out
+    c.wait_done("regen", timeout=240)
+    newest = {}
+    for row in c.rows("regen"):
+        newest[row["id"]] = row
+    assert set(newest) == {r["id"] for r in rows}
+    for row in newest.values():
+        assert row["metadata"]["continued_tokens"] == CUT_CAP
+        assert row["metadata"]["finish_reason"] == "stop"
+        check_thinking_row(row)
+        same_as_fresh(s, row)
+    snap = c.status("regen")
+    assert snap["completed"] == len(rows)
+    assert snap["total_output_tokens"] == sum(r["metadata"]["completion_tokens"] for r in newest.values())
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, indent=1)[:2000]
