@@ -25,6 +25,6 @@ CONSTRAINTS="$HERE/constraints.txt"  # every version pinned, torch to the local 
 "${PIP[@]}" -c "$CONSTRAINTS" -r "$HERE/requirements.txt"
 # The stand-ins for what PyPI lacks or ships only for CUDA (see support/ in this folder).
 "$VENV/bin/python" "$HERE/patch_env.py"
-SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c "import torch, torchvision, sglang, sglang.srt.entrypoints.http_server; assert not torch.version.cuda, torch.version.cuda; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -W ignore -c "import torch, torchvision, sglang, sglang.srt.entrypoints.http_server; assert not torch.version.cuda, torch.version.cuda; print('sglang', sglang.__version__, 'torch', torch.__version__)"
 touch "$STAMP"
 echo "sglang environment installed in $(( $(date +%s) - started )) s: $VENV"
