@@ -50,9 +50,9 @@ class Config:
     decode_tps: float = 1500.0       # per request: ~96 requests/s per system (RESULTS.md)
     slow_factor: float = 1.5
     max_tokens: int = 8192
-    overhead_prompts: int = 8_000    # case 4
+    overhead_prompts: int = 6_000    # case 4
     overhead_tokens: int = 16        # case 4: every answer this long, at once
-    noop_tasks: int = 8_000
+    noop_tasks: int = 6_000
     concurrency: int | None = None   # GPU workers' threads [manage.py worker's default]
     scale_prompts: int = 1_000_000   # case 5
     scale_done: int = 990_000
@@ -297,7 +297,11 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "RESULTS.md",
                     help="Where to write the table ('-' for nowhere).")
     ap.add_argument("--keep", action="store_true", help="Keep the work directory (logs, rows).")
+    ap.add_argument("--render", type=Path, help="Only render a RESULTS.json written before.")
     args = ap.parse_args()
+    if args.render:
+        print(report.render(json.loads(args.render.read_text())))
+        return
     cfg = Config.quick() if args.quick else Config()
     if args.decode_tps:
         cfg.decode_tps = args.decode_tps
@@ -340,7 +344,8 @@ def main() -> None:
     print(text)
     if str(args.results) != "-":
         args.results.write_text(text)
-        log(f"written to {args.results}")
+        args.results.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+        log(f"written to {args.results} (and its figures to {args.results.with_suffix('.json').name})")
 
 
 if __name__ == "__main__":
