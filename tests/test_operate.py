@@ -90,7 +90,9 @@ def test_raising_max_tokens_mid_run_reaches_every_prompt_not_yet_sent(cluster, t
 
 def test_pause_resume_cancel_lose_nothing(cluster, tmp_path):
     c = cluster()
-    start(c)
+    # Small, slow servers (about 6 completions/s in all): the job cannot finish between two
+    # commands, however loaded the machine is.
+    start(c, sim_args=("--slots", "8", "--decode-tps", "1000"))
     path, rows = prompts(tmp_path, 1500)
     c.manage("enqueue", "--dataset", str(path), "--job", "steer", "--gpus", "2")
     wait_until(lambda: c.status("steer")["completed"] >= 50, timeout=120, what="50 completions")
