@@ -19,7 +19,7 @@ import redis
 
 from .keys import JobKeys
 from .ledger import Ledger
-from .prompts import Prompt, compress_messages_json, messages_json
+from .prompts import Prompt, compress_many, messages_json
 
 CHUNK = 1000   # prompts per add_prompts.lua call: ~0.7 MB, ~10 ms of Redis
 DEPTH = 2      # chunks encoded ahead of the one Redis is storing
@@ -94,7 +94,8 @@ class PromptLoader:
             if self._error is not None:
                 continue  # drain without sending after a failure
             try:
-                pairs = [(pid, compress_messages_json(data)) for pid, data in pairs]
+                frames = compress_many([data for _, data in pairs])
+                pairs = [(pid, frame) for (pid, _), frame in zip(pairs, frames)]
                 self.added += self.book.add_prompts(self.job, pairs)
                 self.sent += len(pairs)
             except BaseException as exc:  # re-raised in the caller's thread

@@ -178,7 +178,7 @@ def _jsonl_records(path: Path, compression: str | None) -> Iterator[tuple[int, b
     try:
         with _open_binary(path, compression) as lines:
             for number, line in enumerate(lines, 1):
-                if line.strip():
+                if not line.isspace():
                     yield number, line
     except (OSError, EOFError, zlib.error, zstandard.ZstdError) as exc:
         raise DatasetError(f"{path}: cannot read past line {number}: {exc}") from exc
@@ -252,7 +252,7 @@ def _row_messages(row: dict) -> list[dict]:
 
 def _prompt_messages(prompt: Any, system: Any) -> list[dict]:
     prompt = _text(prompt, "'prompt'")
-    if not prompt.strip():
+    if not prompt or prompt.isspace():  # blank (as strip() would say, without a copy)
         raise _RowError("'prompt' is empty")
     system = "" if system is None else _text(system, "'system'")
     head = [{"role": "system", "content": system}] if system else []
@@ -274,7 +274,7 @@ def _conversation(turns: Any, name: str) -> list[dict]:
         raise _RowError(f"no user turn to answer (conversation ends with a {roles[end - 1]} turn)")
     messages = [{"role": role, "content": _content(turn, i)}
                 for i, (role, turn) in enumerate(zip(roles[:end], turns), 1)]
-    if not messages[-1]["content"].strip():
+    if not messages[-1]["content"] or messages[-1]["content"].isspace():
         raise _RowError(f"turn {end}, the one to answer, is empty")
     return messages
 
@@ -328,12 +328,21 @@ def _row_id(row: dict, messages: list[dict]) -> str:
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _compact_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_json_string = json.encoder.encode_basestring  # the C one when available, as JSONEncoder uses
 _zstd = threading.local()
 
 
 def messages_json(messages: list[dict] | tuple[dict, ...]) -> str:
-    """The compact JSON of a conversation (one encoder, built once)."""
-    return _compact_json(list(messages))
+    """The compact JSON of a conversation, exactly as json.dumps(..., ensure_ascii=False,
+    separators=(",", ":")) writes it. Turns of the reader's shape ({"role", "content"}, both
+    strings) are written directly with the C string encoder, about twice as fast."""
+    parts = []
+    for m in messages:
+        role, content = m.get("role"), m.get("content")
+        if len(m) != 2 or type(role) is not str or type(content) is not str:
+            return _compact_json(list(messages))
+        parts.append(f'{{"role":{_json_string(role)},"content":{_json_string(content)}}}')
+    return "[" + ",".join(parts) + "]"
 
 
 def encode_messages(messages: list[dict] | tuple[dict, ...]) -> bytes:
@@ -341,6 +350,19 @@ def encode_messages(messages: list[dict] | tuple[dict, ...]) -> bytes:
     (level 1: ~1.75x smaller for 1 KB of English, ~8 us; a million pending prompts fit in
     about 0.7 GB of Redis instead of 1.3 GB)."""
     return compress_messages_json(messages_json(messages).encode("utf-8"))
+
+
+def compress_many(items: list[bytes]) -> list[bytes]:
+    """`compress_messages_json` of each item, in one call that releases the GIL for the whole
+    batch (python-zstandard's C backend), so the reader keeps parsing meanwhile."""
+    c = getattr(_zstd, "c", None)
+    if c is None:
+        c = _zstd.c = zstandard.ZstdCompressor(level=1)
+    try:
+        frames = c.multi_compress_to_buffer(items, threads=1)
+    except (AttributeError, NotImplementedError, zstandard.ZstdError, ValueError):
+        return [c.compress(item) for item in items]
+    return [frames[i].tobytes() for i in range(len(frames))]
 
 
 def compress_messages_json(data: bytes) -> bytes:
