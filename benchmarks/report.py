@@ -71,7 +71,10 @@ def render(res: dict) -> str:
             f" length distribution (median 1,800, 18% over 4,096). Mean service"
             f" {md['mean_service_s']:.2f} s, so a full system serves {md['offered_rate']:.0f}"
             f" requests/s; the project and the baseline run *at the same time* on separate servers"
-            f" (about {2 * md['offered_rate']:.0f} requests/s on the machine), each sees the same noise.",
+            f" (about {2 * md['offered_rate']:.0f} requests/s on the machine), each sees the same noise."
+            " (Four runs of 16,000 requests in the ten minutes of `make bench` need about 110"
+            " requests/s on average, so each system gets a little under 100/s and the two share the"
+            " machine.)",
             "- Ideal = max(total service time / total slot capacity, longest request), priced from the"
             " simulated model for exactly these prompts; with a slow server the capacity counts its"
             " slots at 1/slow-factor. Makespan = first request any server received to the last"
