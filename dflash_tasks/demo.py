@@ -10,11 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +20,7 @@ import redis
 from . import jobs
 from .batches import manifest_key, progress_key, read_batch, read_manifest
 from .keys import JobKeys
+from .local import LocalCluster, free_port, wait_for
 from .settings import get_settings, redact_url
 from .storage import storage_for
 
@@ -39,41 +37,22 @@ def _port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(what: str, check, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except Exception:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"demo: {what} did not come up within {timeout:.0f}s (see output/demo-logs/)")
-
-
 class Demo:
-    def __init__(self) -> None:
+    def __init__(self, cluster: LocalCluster) -> None:
         self.settings = get_settings()
-        self.logs = self.settings.output_dir / "demo-logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.children: list[subprocess.Popen] = []
+        self.cluster = cluster
 
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "wb")
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.children.append(proc)
-        return proc
+    def setenv(self, **values: str) -> None:
+        """For this process (settings, boto3) and for every child started from now on."""
+        os.environ.update(values)
+        self.cluster.env.update(values)
+        get_settings.cache_clear()
+        self.settings = get_settings()
 
     def redis(self) -> redis.Redis:
         url = self.settings.redis_url
         r = redis.Redis.from_url(url)
+        self.cluster.env["DFLASH_REDIS_URL"] = url
         try:
             r.ping()
             print(f"Redis: using {redact_url(url)}")
@@ -82,56 +61,40 @@ class Demo:
             if host not in ("127.0.0.1", "localhost") or not shutil.which("redis-server"):
                 raise SystemExit(f"demo: no Redis answers at {redact_url(url)}; start one or set DFLASH_REDIS_URL")
             data = self.settings.output_dir / "demo-redis"
-            data.mkdir(parents=True, exist_ok=True)
-            self.spawn("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                                 "--dir", str(data), "--appendonly", "yes", "--save", ""])
-            _wait("redis-server", r.ping)
+            self.cluster.start_redis(port, data, appendonly=True)
+            self.cluster.env["DFLASH_REDIS_URL"] = url
             print(f"Redis: started redis-server on port {port} (append-only, in {data})")
         return r
 
-    def servers(self) -> list[str]:
-        urls = []
-        for gpu in range(GPUS):
-            port = self.settings.sglang_base_port + gpu
-            if not _port_free(port):
-                port = _free_port()
-            self.spawn(f"sim{gpu}", [sys.executable, "manage.py", "sim-server", "--port", str(port), *SIM_ARGS])
-            url = f"http://127.0.0.1:{port}"
-            _wait(f"simulated server gpu{gpu}", lambda: httpx.get(url + "/health").status_code == 200)
-            urls.append(url)
+    def servers(self) -> None:
+        ports = [p if _port_free(p) else free_port()
+                 for p in (self.settings.sglang_base_port + gpu for gpu in range(GPUS))]
+        urls = self.cluster.start_servers(GPUS, SIM_ARGS, ports=ports)
         print(f"SGLang: {GPUS} simulated servers ({' '.join(SIM_ARGS)}) at {', '.join(urls)}")
-        return urls
 
-    def workers(self, r: redis.Redis, urls: list[str]) -> None:
-        r.hdel("dflash:workers", *[f"gpu{gpu}" for gpu in range(GPUS)])
-        for gpu, url in enumerate(urls):
-            self.spawn(f"worker{gpu}", [sys.executable, "manage.py", "worker", "--gpu", str(gpu), "--sglang-url", url])
-        for gpu in range(GPUS):
-            _wait(f"worker gpu{gpu}", lambda: r.hexists("dflash:workers", f"gpu{gpu}"))
-        self.spawn("beat", [sys.executable, "manage.py", "beat"])
-        print(f"Celery: workers gpu0..gpu{GPUS - 1} and beat started (logs in {self.logs})")
+    def workers(self) -> None:
+        self.cluster.start_workers()
+        self.cluster.start_beat()
+        print(f"Celery: workers gpu0..gpu{GPUS - 1} and beat started (logs in {self.cluster.logs})")
 
     def s3(self) -> None:
         """Batches go to S3: the bucket DFLASH_S3_URI names (credentials and endpoint from
         boto3's own chain), else a local S3 server (moto) started here, with dummy credentials.
         Batches of 64 rows (unless DFLASH_BATCH_ROWS says otherwise), so a few ship."""
-        os.environ.setdefault("DFLASH_BATCH_ROWS", "64")
-        get_settings.cache_clear()
-        self.settings = get_settings()
+        self.setenv(DFLASH_BATCH_ROWS=os.environ.get("DFLASH_BATCH_ROWS", "64"))
         if self.settings.s3_uri:
             print(f"S3: using {self.settings.s3_uri} (credentials and endpoint from boto3's chain)")
             return
-        port = _free_port()
-        self.spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
+        port = free_port()
+        self.cluster.spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                                  "-p", str(port)])
         endpoint = f"http://127.0.0.1:{port}"
-        _wait("the S3 server (moto)", lambda: httpx.get(endpoint + "/moto-api/").status_code < 500)
+        wait_for("the S3 server (moto)", lambda: httpx.get(endpoint + "/moto-api/").status_code < 500)
         for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
             os.environ.pop(name, None)  # no real credentials or endpoint near the demo server
-        os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "demo",
-                           "AWS_SECRET_ACCESS_KEY": "demo", "AWS_DEFAULT_REGION": "us-east-1",
-                           "DFLASH_S3_URI": f"s3://{S3_BUCKET}/runs"})
-        get_settings.cache_clear()
-        self.settings = get_settings()
+            self.cluster.env.pop(name, None)
+        self.setenv(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="demo", AWS_SECRET_ACCESS_KEY="demo",
+                    AWS_DEFAULT_REGION="us-east-1", DFLASH_S3_URI=f"s3://{S3_BUCKET}/runs")
         import boto3
 
         boto3.session.Session().client("s3").create_bucket(Bucket=S3_BUCKET)
@@ -150,11 +113,12 @@ class Demo:
         r = self.redis()
         self.forget_previous_run(r)
         self.s3()
-        self.workers(r, self.servers())
+        self.servers()
+        self.workers()
         print()
-        subprocess.run([sys.executable, "manage.py", "enqueue", "--dataset", str(DATASET), "--job", JOB,
-                        "--gpus", str(GPUS), "--max-output-tokens", "8192", "--follow"], cwd=ROOT, check=True)
-        _wait("the final batch", lambda: jobs.load(r, JOB).status == "done", timeout=120)
+        self.cluster.manage("enqueue", "--dataset", str(DATASET), "--job", JOB, "--gpus", str(GPUS),
+                            "--max-output-tokens", "8192", "--follow")
+        wait_for("the final batch", lambda: jobs.load(r, JOB).status == "done", timeout=120)
         self.report()
 
     def report(self) -> None:
@@ -172,31 +136,17 @@ class Demo:
         print(f"  progress: {out / 'progress.json'}, and {storage.location(progress_key(JOB))}")
         dest = self.settings.output_dir / f"{JOB}-export"
         print(f"\n$ python manage.py export --job {JOB} --to {dest}")
-        subprocess.run([sys.executable, "manage.py", "export", "--job", JOB, "--to", str(dest)],
-                       cwd=ROOT, check=True)
+        self.cluster.manage("export", "--job", JOB, "--to", str(dest))
         print("\nA row (abridged):")
         print(json.dumps({**row, "conversations": [*row["conversations"][:-1], {
             **answer, "content": answer["content"][:60] + "…",
             "reasoning_content": (answer["reasoning_content"] or "")[:60] + "…"}],
             "token_ids": {k: f"[{len(v)} ids]" for k, v in row.get("token_ids", {}).items()}}, indent=1))
 
-    def stop(self) -> None:
-        for proc in reversed(self.children):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self.children):
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
 
 def main() -> None:
-    demo = Demo()
-    try:
-        demo.run()
-    finally:
-        demo.stop()
+    with LocalCluster(get_settings().output_dir / "demo-logs") as cluster:
+        Demo(cluster).run()
 
 
 if __name__ == "__main__":
