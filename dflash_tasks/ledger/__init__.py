@@ -134,9 +134,6 @@ class Ledger:
         raw = self.r.hgetall(JobKeys(job).counters)
         return {_s(k): int(v) for k, v in raw.items()}
 
-    def done_ids(self, job: str) -> Iterable[str]:
-        return (_s(m) for m in self.r.sscan_iter(JobKeys(job).done, count=10_000))
-
 
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
