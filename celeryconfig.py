@@ -18,7 +18,7 @@ result_backend = _s.redis_url
 # that read it (Flower's queue lengths), and kombu, which re-reads the transport from the URL's
 # scheme when it reconnects, keeps using it after a Redis restart.
 _transport.register()
-include = ["dflash_tasks.tasks.generate", "dflash_tasks.tasks.control"]
+include = ["dflash_tasks.tasks.generate", "dflash_tasks.tasks.control", "dflash_tasks.tasks.train"]
 
 # JSON only: a worker never unpickles what it reads from the broker. A message in another
 # serializer (or whose body does not decode) is logged and acknowledged once, never retried.

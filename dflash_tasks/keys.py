@@ -94,3 +94,16 @@ class JobKeys:
     @property
     def storage_error(self) -> str:  # hash: error, since, last_at, failures (while storage fails)
         return self._k("storage_error")
+
+
+# Training runs (dflash_tasks/train_queue): one hash per run, the set of runs, a per-job counter
+# that names them. A run is not a job's data, so its keys carry no job hash tag.
+TRAIN_RUNS = f"{PREFIX}:train:runs"  # zset: run name -> created time
+
+
+def train_run(run: str) -> str:     # hash: the run (runs.py says every field)
+    return f"{PREFIX}:train:run:{run}"
+
+
+def train_seq(job: str) -> str:     # counter: the job's last run number (runs are job-train-N)
+    return f"{PREFIX}:train:seq:{job}"

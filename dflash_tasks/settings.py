@@ -108,6 +108,19 @@ class Settings(BaseSettings):
     # unacknowledged in a worker) lost it to a broker crash: beat's maintain dispatches it again.
     lost_message_grace_s: float = 60.0
 
+    # Training runs (manage.py train): their directories (checkpoints, train.log, metrics.jsonl,
+    # the export a command trainer reads) on the training node, under train_dir or else
+    # <output_dir>/training. A running run's task stamps a heartbeat every train_heartbeat_s;
+    # beat queues a run whose heartbeat is older than train_stale_s again (its worker died: the
+    # trainer resumes from its last checkpoint), at most train_max_restarts times.
+    train_dir: Path | None = None
+    train_heartbeat_s: float = 10.0
+    train_stale_s: float = 300.0
+    train_max_restarts: int = 3
+
+    def training_dir(self) -> Path:
+        return self.train_dir or self.output_dir / "training"
+
     def longest_unacked_s(self) -> float:
         """The longest a prompt's message can stay unacknowledged in a healthy worker: a request
         to its timeout, its retry wait, a wait on an open breaker. The visibility timeout must

@@ -167,6 +167,16 @@ class S3Storage:
         except Exception as exc:  # botocore, boto3 and s3transfer errors alike
             raise self._error("upload", key, exc) from None
 
+    def put_file(self, key: str, path: Path) -> None:
+        """A file of any size (a checkpoint's weights), streamed from disk by the transfer
+        manager in parallel parts, each checked by S3 against its SHA-256."""
+        try:
+            self.client.upload_file(str(path), self.bucket, self.key_for(key),
+                                    ExtraArgs={"ChecksumAlgorithm": "SHA256"},
+                                    Config=self._transfer_config())
+        except Exception as exc:
+            raise self._error("upload", key, exc) from None
+
     def get(self, key: str) -> bytes:
         try:
             return self.client.get_object(Bucket=self.bucket, Key=self.key_for(key))["Body"].read()

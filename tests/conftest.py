@@ -59,6 +59,7 @@ class Cluster:
         self.servers: dict[int, tuple[int, Proc]] = {}
         self.workers: dict[int, Proc] = {}
         self.beat: Proc | None = None
+        self.train_workers: list[Proc] = []
         self._n = 0
 
     def _log(self, name: str) -> Path:
@@ -84,6 +85,16 @@ class Cluster:
                    timeout=60, what=f"worker gpu{gpu} to register")
         assert proc.alive(), proc.log()
         self.workers[gpu] = proc
+        return proc
+
+    def start_train_worker(self) -> Proc:
+        """The training worker (`worker --queue train`); ready once Celery says so in its log."""
+        proc = Proc(python("manage.py", "worker", "--queue", "train"), self._log("train-worker"),
+                    env=self.env)
+        wait_until(lambda: "ready." in proc.log() or not proc.alive(), timeout=60,
+                   what="the training worker to start")
+        assert proc.alive(), proc.log()
+        self.train_workers.append(proc)
         return proc
 
     def start_beat(self) -> Proc:
@@ -116,7 +127,7 @@ class Cluster:
         return [row for record in manifest["batches"] for row in read_batch(storage, record)]
 
     def stop(self) -> None:
-        for proc in [*self.workers.values(), *( [self.beat] if self.beat else []),
+        for proc in [*self.train_workers, *self.workers.values(), *([self.beat] if self.beat else []),
                      *(p for _, p in self.servers.values())]:
             proc.stop()
 

@@ -1,4 +1,5 @@
-"""The long-running processes: a GPU worker, beat with its control worker, Flower."""
+"""The long-running processes: a GPU worker or the training worker, beat with its control
+worker, Flower."""
 from __future__ import annotations
 
 import os
@@ -19,14 +20,30 @@ def _exec_celery(args: list[str]) -> None:
 
 
 @click.command()
-@click.option("--gpu", type=click.IntRange(min=0), required=True, help="GPU index I: consumes queue gpuI.")
+@click.option("--gpu", type=click.IntRange(min=0), help="GPU index I: consumes queue gpuI.")
+@click.option("--queue", type=click.Choice(["train"]),
+              help="train: the training worker (one run at a time; manage.py train queues runs).")
 @click.option("--sglang-url", help="This GPU's SGLang server [http://127.0.0.1:{30000+I}].")
 @click.option("--concurrency", type=click.IntRange(min=1),
               help="Requests in flight [the server's max_running_requests plus a margin].")
 @click.option("--loglevel", default="INFO", show_default=True)
-def worker(gpu: int, sglang_url: str | None, concurrency: int | None, loglevel: str) -> None:
-    """A Celery worker pinned to one GPU's queue and server."""
+def worker(gpu: int | None, queue: str | None, sglang_url: str | None, concurrency: int | None,
+           loglevel: str) -> None:
+    """A Celery worker pinned to one GPU's queue and server (--gpu), or the training worker
+    (--queue train)."""
     from ..sglang import SGLangClient, SGLangError
+
+    if (gpu is None) == (queue is None):
+        raise click.UsageError("pass --gpu I (a generation worker) or --queue train (the "
+                               "training worker)")
+    if queue == "train":
+        if concurrency not in (None, 1):
+            raise click.UsageError("the training worker runs one training at a time: "
+                                   "--concurrency 1")
+        # Threads, not prefork: the run executes in this process, so a warm shutdown (TERM)
+        # reaches it at once and it hands itself back to the queue from its last checkpoint.
+        _exec_celery(["worker", "-Q", "train", "-n", "train@%h", "-P", "threads", "-c", "1",
+                      "-E", "--without-gossip", "--without-mingle", "--loglevel", loglevel])
 
     if sglang_url:
         os.environ["DFLASH_SGLANG_URL"] = sglang_url

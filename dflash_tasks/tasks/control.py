@@ -1,5 +1,6 @@
-"""Beat's tasks, on the `control` queue: seal batches and write progress.json (tick), keep every
-GPU's window full and re-dispatch lost prompts (maintain)."""
+"""Beat's tasks, on the `control` queue: seal batches and write progress.json, launch the
+training runs whose data is ready (tick); keep every GPU's window full, re-dispatch lost prompts
+and queue again the training runs whose worker died (maintain)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,9 @@ from ..locks import HeldLock, LockLost
 from ..progress import is_finished, prune_rate, snapshot
 from ..settings import get_settings
 from ..storage import LocalStorage, StorageError, storage_for
+from ..train_queue import launch
 from ..training_data.monitor import sample_quality
+from .train import send as send_training
 
 log = logging.getLogger(__name__)
 ACTIVE = ("running", "paused")
@@ -127,6 +130,11 @@ def tick() -> None:
                 log.warning("job %s: tick stopped: %s", name, exc)
             except Exception:  # one job's trouble must not stop the others' progress.json
                 log.exception("job %s: tick failed", name)
+    try:
+        launch.launch_ready(r, send_training)
+        launch.send_unsent(r, send_training)
+    except Exception:
+        log.exception("launching training runs failed (tried again at the next tick)")
 
 
 @app.task(name="dflash_tasks.maintain", ignore_result=True)
@@ -142,3 +150,4 @@ def maintain() -> None:
                 log.warning("job %s gpu%d: %d prompts dispatched again (no outcome after %ds)",
                             name, gpu, reaped, s.reap_after_s)
             dispatch.topup(app, name, gpu)
+    launch.requeue_lost(r, s, send_training)

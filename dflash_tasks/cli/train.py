@@ -1,0 +1,235 @@
+"""Training runs: `train` (queue one), `train-cancel`, `train-status`."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from .common import console, redis_or_fail
+
+
+def _spec(config: Path | None, trainer: str, command: str | None) -> dict:
+    from ..train_queue.spec import SpecError, build, read_config
+
+    try:
+        return build(read_config(config), trainer, command, source=str(config or "--config"))
+    except SpecError as exc:
+        raise click.BadParameter(str(exc), param_hint="--config" if config or not command
+                                 else "--command") from None
+
+
+def _check_job(r, name: str, waits: bool) -> None:
+    """A run that waits for its trigger needs a job this deployment runs; one that starts now
+    needs shipped batches (in Redis's manifest, or a manifest in storage from elsewhere)."""
+    from .. import jobs
+    from ..batches import manifest_key
+    from ..settings import get_settings
+    from ..storage import StorageError, storage_for
+
+    try:
+        job = jobs.load(r, name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--job") from None
+    if job is not None:
+        return
+    if waits:
+        raise click.ClickException(f"no job named {name!r} in this deployment: --after-done and "
+                                   "--min-rows wait for a job that is generating (known jobs: "
+                                   f"{', '.join(jobs.names(r)) or 'none'})")
+    storage = storage_for(get_settings())
+    try:
+        found = storage.exists(manifest_key(name))
+    except StorageError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not found:
+        raise click.ClickException(f"no job named {name!r} here and no manifest at "
+                                   f"{storage.location(manifest_key(name))}: nothing to train on")
+
+
+@click.command()
+@click.option("--job", "job", required=True, help="The job whose rows to train on.")
+@click.option("--after-done", is_flag=True,
+              help="Wait for the job to be done; beat launches the run then.")
+@click.option("--min-rows", type=click.IntRange(min=1), metavar="N",
+              help="Wait until N rows are shipped; the run then follows the job while it "
+                   "generates (reference trainer).")
+@click.option("--trainer", type=click.Choice(["reference", "command"]), default="reference",
+              show_default=True,
+              help="reference: dflash_tasks.training (online DFlash in torch); command: an "
+                   "external trainer (SpecForge's CLI by default) on an export of the rows.")
+@click.option("--command", "command", metavar="TEMPLATE",
+              help="The command trainer's command line, with {placeholders}: {data_path} "
+                   "{data_dir} {output_dir} {run_dir} {job} {run} and the [command] section's "
+                   "values [SpecForge's train_dflash.py].")
+@click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="TOML or JSON with [gate], [reference] and [command] sections "
+                   "(docs/TRAINING.md).")
+@click.option("--name", "run_name", help="The run's name [JOB-train-N].")
+@click.option("--json", "as_json", is_flag=True, help="Print the new run as JSON.")
+def train(job: str, after_done: bool, min_rows: int | None, trainer: str, command: str | None,
+          config: Path | None, run_name: str | None, as_json: bool) -> None:
+    """Queue a training run of the job's rows for a training worker (manage.py worker --queue
+    train). The quality gate (validate) runs first and refuses the run when the data fails it.
+    Without --after-done or --min-rows it is queued now, on the rows shipped so far."""
+    from ..train_queue import runs
+    from ..tasks.train import send
+
+    if after_done and min_rows:
+        raise click.UsageError("--after-done and --min-rows are exclusive")
+    if command and trainer != "command":
+        raise click.UsageError("--command needs --trainer command")
+    trigger = "after-done" if after_done else "min-rows" if min_rows else "now"
+    spec = _spec(config, trainer, command)
+    r = redis_or_fail()
+    _check_job(r, job, waits=trigger != "now")
+    try:
+        run = runs.create(r, job, trainer, spec, trigger=trigger, min_rows=min_rows or 0,
+                          name=run_name)
+    except (runs.RunExists, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if trigger == "now":
+        send(run.run)
+    if as_json:
+        click.echo(json.dumps(run.as_dict(), indent=1))
+        return
+    when = {"now": "queued for the training workers",
+            "after-done": f"waiting for job {job} to be done; beat queues it then",
+            "min-rows": f"waiting for {min_rows:,} shipped rows of job {job}; beat queues it then"}
+    console.print(f"training run [bold]{run.run}[/] ({trainer} trainer): {when[trigger]}.\n"
+                  f"  a training worker runs it: python manage.py worker --queue train\n"
+                  f"  follow it: python manage.py train-status --run {run.run}", highlight=False)
+
+
+@click.command("train-cancel")
+@click.option("--run", "run_name", help="The run to cancel.")
+@click.option("--job", help="Cancel every unfinished run of this job.")
+def train_cancel(run_name: str | None, job: str | None) -> None:
+    """Cancel a training run: at once when it has not started, else its worker stops the
+    trainer (a checkpoint is kept) and marks it cancelled."""
+    from ..train_queue import runs
+
+    if (run_name is None) == (job is None):
+        raise click.UsageError("pass --run NAME or --job NAME")
+    r = redis_or_fail()
+    if run_name:
+        targets = [run_name]
+    else:
+        targets = [n for n in runs.names(r) if (run := runs.load(r, n)) and run.job == job
+                   and not run.final]
+        if not targets:
+            console.print(f"job {job}: no unfinished training run")
+    for name in targets:
+        try:
+            what = runs.request_cancel(r, name)
+        except KeyError:
+            raise click.ClickException(f"no training run named {name!r} (manage.py "
+                                       "train-status lists them)") from None
+        if what == "cancelled":
+            console.print(f"training run {name}: cancelled (it had not started)")
+        elif what == "stopping":
+            console.print(f"training run {name}: cancel requested: its worker stops the trainer "
+                          "within seconds (train-status shows it cancelled then)")
+        else:
+            console.print(f"training run {name}: already {runs.load(r, name).status}: nothing "
+                          "to cancel")
+
+
+def _ago(t: float | str | None) -> str:
+    if not t:
+        return "-"
+    s = time.time() - float(t)
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago"
+
+
+def _fmt(v, spec: str = "") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+@click.command("train-status")
+@click.option("--run", "run_name", help="One run in detail: metrics, gate, checkpoints, log.")
+@click.option("--job", help="Only this job's runs.")
+@click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
+def train_status(run_name: str | None, job: str | None, as_json: bool) -> None:
+    """Training runs: status, step, loss, per-position accuracy, tokens/s, exit code, duration,
+    checkpoints."""
+    from ..train_queue import runs
+
+    r = redis_or_fail()
+    if run_name:
+        run = runs.load(r, run_name)
+        if run is None:
+            raise click.ClickException(f"no training run named {run_name!r}")
+        selected = [run]
+    else:
+        selected = [run for n in runs.names(r) if (run := runs.load(r, n))
+                    and (job is None or run.job == job)]
+    if as_json:
+        out = [run.as_dict() for run in selected]
+        click.echo(json.dumps(out[0] if run_name else out, indent=1))
+        return
+    if run_name:
+        _detail(selected[0])
+        return
+    if not selected:
+        console.print("no training runs" + (f" for job {job}" if job else ""))
+        return
+    t = Table("run", "job", "trainer", "status", "step", "loss", "acc@1", "tokens/s", "exit",
+              "duration", "checkpoints", "updated")
+    for run in selected:
+        m = run.get("metrics") or {}
+        by_pos = m.get("accuracy_by_position") or [None]
+        status = run.status + (f" ({run.get('phase')})" if run.status == runs.RUNNING
+                               and run.get("phase") else "")
+        t.add_row(run.run, run.job, run.trainer, status, _fmt(m.get("step")),
+                  _fmt(m.get("loss"), ".4f"), _fmt(by_pos[0], ".3f"),
+                  _fmt(m.get("tokens_per_s"), ",.0f"), _fmt(run.get("exit_code")),
+                  _fmt(run.get("duration_s") and float(run.get("duration_s")), ".0f") + "s"
+                  if run.get("duration_s") else "-",
+                  str(len(run.get("checkpoints") or [])),
+                  _ago(run.get("finished_at") or run.get("started_at") or run.get("created_at")))
+    console.print(t)
+
+
+def _detail(run) -> None:
+    t = Table(title=f"training run {run.run}", show_header=False, box=None)
+    t.add_row("job", run.job)
+    t.add_row("trainer", run.trainer)
+    trigger = run.trigger + (f" ({run.min_rows:,} rows)" if run.trigger == "min-rows" else "")
+    t.add_row("status", run.status + (f", phase {run.get('phase')}" if run.get("phase") else "")
+              + f"; launched {trigger}")
+    t.add_row("created / started / finished", " / ".join(
+        _ago(run.get(k)) for k in ("created_at", "started_at", "finished_at")))
+    if run.get("worker"):
+        t.add_row("worker", f"{run.get('worker')} (heartbeat at Redis time "
+                            f"{float(run.get('heartbeat_at') or 0):.0f}; attempts "
+                            f"{run.get('attempts')}, restarts {run.get('restarts')})")
+    for k in ("exit_code", "duration_s", "error", "run_dir", "log_path"):
+        if run.get(k) not in (None, ""):
+            t.add_row(k.replace("_", " "), str(run.get(k)))
+    if run.trainer == "command" and run.spec.get("command"):
+        t.add_row("command", run.spec["command"]["template"])
+    gate = run.get("gate")
+    if gate:
+        t.add_row("quality gate", ("passed" if gate["passed"] else "FAILED") +
+                  f": {gate.get('rows', 0):,} rows, {gate.get('kept') or 0:,} kept")
+        for f in gate.get("failures", []):
+            t.add_row("", f"- {f}")
+    m = run.get("metrics")
+    if m:
+        t.add_row("step", f"{m.get('step')} (epoch {m.get('epoch')}, {m.get('samples')} samples)")
+        t.add_row("loss / accuracy", f"{_fmt(m.get('loss'), '.4f')} / {_fmt(m.get('accuracy'), '.3f')}")
+        t.add_row("accuracy by position", "  ".join(
+            f"{k}:{a:.2f}" for k, a in enumerate(m.get("accuracy_by_position") or [], start=1)))
+        t.add_row("tokens/s", _fmt(m.get("tokens_per_s"), ",.0f"))
+    for c in run.get("checkpoints") or []:
+        t.add_row("checkpoint", f"{c['name']}: {c.get('uri') or c.get('path')}")
+    console.print(t)
+    tail = run.get("log_tail") or []
+    if tail:
+        console.print(f"[bold]log[/] (last {min(len(tail), 20)} lines of "
+                      f"{run.get('log_path') or 'train.log'}):")
+        for line in tail[-20:]:
+            console.print("  " + line, highlight=False, markup=False)

@@ -1,0 +1,36 @@
+"""The training worker's task, on the `train` queue (`manage.py worker --queue train`,
+concurrency 1, on a GPU node): one training run, as train_queue/execute.py describes.
+
+Acknowledged on receipt, not after it ran: a run lasts days, far past the broker's visibility
+timeout, after which an unacknowledged message would be delivered again and a second copy
+started. A run whose worker dies is found by its stale heartbeat instead (beat's maintain) and
+queued again; the trainer resumes from its last checkpoint.
+"""
+from __future__ import annotations
+
+from ..celery_app import app
+from ..connections import redis_client
+from ..settings import get_settings
+from ..train_queue import runs
+from ..train_queue.execute import RunSession
+
+
+@app.task(name=runs.TASK, bind=True, acks_late=False, track_started=True, ignore_result=False)
+def train(self, run_name: str) -> dict:
+    r = redis_client()
+    run = runs.load(r, run_name)
+    if run is None:
+        return {"run": run_name, "status": "unknown", "started": False}
+
+    def publish_state(meta: dict) -> None:
+        if self.request.id:
+            self.update_state(state="PROGRESS", meta=meta)
+
+    session = RunSession(r, run, get_settings(), publish_state=publish_state,
+                         hostname=self.request.hostname or "")
+    return session.execute()
+
+
+def send(run_name: str) -> None:
+    """Queue the run's task for the training workers."""
+    app.send_task(runs.TASK, args=[run_name], queue=runs.TRAIN_QUEUE)

@@ -1,0 +1,305 @@
+"""One training run on a training worker, from `queued` to a final status:
+
+1. claim it (queued -> running; a second delivery, or a run cancelled meanwhile, does nothing);
+2. the quality gate over the job's shipped rows; a failure refuses the run with the report;
+3. the trainer: the reference trainer in this process, on the streaming dataset (following the
+   job while it still generates), or the command, on an export written for it;
+4. its checkpoints to S3 (the reference trainer's as they appear, a command's at its end);
+5. done, failed or cancelled, with exit code, duration, checkpoints and the last metrics.
+
+All along: a heartbeat in the run (beat queues a run whose worker died again), the phase, the
+latest metrics and the log's last lines in the run and in the Celery task's state (Flower), and
+a stop check: `train-cancel` ends the run as cancelled, a warm shutdown of the worker hands it
+back to the queue (the trainer resumes from its checkpoint on the next worker).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import redis
+
+from .. import shutdown
+from ..batches import progress_key
+from ..settings import Settings
+from ..storage import S3Storage, StorageError, storage_for
+from ..training_data.reader import NoManifest, job_storage
+from . import checkpoints, runs, spec
+from .command import LogTail, run_command
+
+log = logging.getLogger(__name__)
+PUBLISH_EVERY_S = 2.0
+STOP_CHECK_EVERY_S = 1.0
+
+
+class TrainingError(RuntimeError):
+    """A run refused by the gate or failed; the message says why (also in train-status)."""
+
+
+class Stopped(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class RunSession:
+    def __init__(self, r: redis.Redis, run: runs.Run, settings: Settings, *,
+                 publish_state: Callable[[dict], None], hostname: str):
+        self.r, self.run, self.s = r, run, settings
+        self.name = run.run
+        self.publish_state = publish_state
+        self.hostname = hostname
+        self.run_dir = settings.training_dir() / run.run
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.storage = storage_for(settings)
+        self.s3 = self.storage if isinstance(self.storage, S3Storage) else None
+        self.uploaded: dict[str, str] = dict(run.get("uploaded") or {})
+        self.phase = "gate"
+        self.metrics: dict | None = run.get("metrics")
+        self._published = 0.0
+        self._stop_checked = 0.0
+        self._stop_reason: str | None = None
+        self._beating = threading.Event()
+        self.log: LogTail | None = None
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def execute(self) -> dict:
+        if shutdown.requested():  # received while this worker stops: leave it to the next one
+            runs.mark_unsent(self.r, self.name)
+            return {"run": self.name, "status": runs.QUEUED, "started": False}
+        if not runs.transition(self.r, self.name, (runs.QUEUED,), runs.RUNNING,
+                               started_at=time.time(), worker=self.hostname, phase="gate",
+                               heartbeat_at=runs.redis_now(self.r), run_dir=str(self.run_dir),
+                               log_path=str(self.run_dir / "train.log")):
+            current = runs.load(self.r, self.name)
+            status = current.status if current else "unknown"
+            log.warning("training run %s is %s, not queued: not started (a second delivery?)",
+                        self.name, status)
+            return {"run": self.name, "status": status, "started": False}
+        self.r.hincrby(runs.train_run(self.name), "attempts", 1)
+        self.log = LogTail(self.run_dir / "train.log")
+        heartbeat = threading.Thread(target=self._heartbeat, name="train-heartbeat", daemon=True)
+        heartbeat.start()
+        started = time.monotonic()
+        try:
+            self.say(f"run {self.name}: job {self.run.job}, trainer {self.run.trainer}, on "
+                     f"{self.hostname}, in {self.run_dir}")
+            rules = self.gate()
+            if self.run.trainer == "reference":
+                outcome = self.train_reference()
+            else:
+                outcome = self.train_command(rules)
+            return self.finish(outcome, time.monotonic() - started)
+        except Stopped as stop:
+            return self.finish({"stopped": stop.reason}, time.monotonic() - started)
+        except TrainingError:
+            raise
+        except Exception as exc:
+            self.say(traceback.format_exc())
+            self.end(runs.FAILED, error=f"{type(exc).__name__}: {exc}",
+                     duration_s=round(time.monotonic() - started, 1))
+            raise TrainingError(f"training run {self.name} failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._beating.set()
+            self.log.close()
+
+    def gate(self):
+        """The quality gate over what the job shipped; a failure refuses the run."""
+        from ..training_data.exports import validate_job
+
+        gate = dict(self.run.spec.get("gate") or {})
+        ref = self.run.spec.get("reference") or {}
+        for k in ("min_loss_tokens", "max_length"):  # the gate judges what the trainer will read
+            if k in ref:
+                gate.setdefault(k, ref[k])
+        rules, thresholds = spec.gate_settings(gate)
+        self.say(f"quality gate over job {self.run.job}'s shipped rows ...")
+        try:
+            report, failures = validate_job(self._job_storage(), self.run.job, rules, thresholds,
+                                            on_batch=lambda _rec: self.check_stop())
+        except NoManifest as exc:
+            report, failures = None, [str(exc)]
+        figures = report.figures() if report else {}
+        verdict = {"passed": not failures, "failures": failures, "rows": figures.get("rows", 0),
+                   "kept": figures.get("kept"), "dropped": figures.get("dropped", {}),
+                   "loss_tokens": {k: v for k, v in figures.get("loss_tokens", {}).items()
+                                   if k != "distribution"}}
+        runs.update(self.r, self.name, gate=verdict)
+        if failures:
+            for f in failures:
+                self.say(f"  gate: {f}")
+            self.end(runs.REFUSED, error="the quality gate failed: " + "; ".join(failures))
+            raise TrainingError(f"training run {self.name} refused: job {self.run.job} fails the "
+                                "quality gate:\n" + "\n".join(f"  - {f}" for f in failures))
+        self.say(f"quality gate passed: {verdict['rows']:,} rows, {verdict['kept']:,} kept")
+        return rules
+
+    def train_reference(self) -> dict:
+        from ..dataset import job_finished
+        from ..training import TrainConfig, train
+
+        config = TrainConfig.model_validate(self.run.spec.get("reference") or {})
+        follow = not job_finished(self._progress())
+        self.set_phase("train")
+        self.say(f"reference trainer: {config.max_steps} steps at most"
+                 + (", following the job while it generates" if follow else ""))
+        result = train(config, job=self.run.job, source=self.storage, run_dir=self.run_dir,
+                       follow=follow, on_metrics=self.on_metrics,
+                       should_stop=lambda: self.check_stop(raise_=False) is not None,
+                       log=self.say)
+        self.metrics = result.last_metrics or self.metrics
+        outcome = {"step": result.step}
+        if result.status == "stopped":
+            outcome["stopped"] = self._stop_reason or "cancel"
+        return outcome
+
+    def train_command(self, rules) -> dict:
+        from ..training_data.exports import export_training
+
+        command = self.run.spec["command"]
+        values = command["values"]
+        data_dir = self.run_dir / "data"
+        self.set_phase("export")
+        self.say(f"exporting job {self.run.job} as {values['format']} to {data_dir} ...")
+        out = export_training(self._job_storage(), self.run.job, values["format"], data_dir, rules,
+                              on_batch=lambda _rec: self.check_stop())
+        self.say(f"exported {out.kept:,} rows to {out.path}")
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        run_values = {"data_path": out.path, "data_dir": data_dir, "output_dir": self.ckpt_dir,
+                      "run_dir": self.run_dir, "job": self.run.job, "run": self.name}
+        quoted = {k: shlex.quote(str(v)) for k, v in {**values, **run_values}.items()
+                  if not isinstance(v, dict)}
+        argv = shlex.split(spec.fill_command(command["template"], quoted, {}))
+        env = {**os.environ, **{k: str(v) for k, v in (values.get("env") or {}).items()}}
+        self.set_phase("train")
+        result = run_command(argv, cwd=self.run_dir, env=env, log=self.log,
+                             on_progress=self._publish_tail,
+                             should_stop=lambda: self.check_stop(raise_=False))
+        outcome = {"exit_code": result.exit_code}
+        if result.stopped:
+            outcome["stopped"] = result.stopped
+        return outcome
+
+    def finish(self, outcome: dict, duration_s: float) -> dict:
+        """Upload what the trainer left, then the run's final status (or back to the queue)."""
+        self.set_phase("upload")
+        found = checkpoints.upload_new(self.s3, self.run.job, self.name, self.ckpt_dir,
+                                       self.uploaded)
+        fields = {"checkpoints": found, "uploaded": self.uploaded,
+                  "duration_s": round(duration_s, 1), **{k: v for k, v in outcome.items()
+                                                          if k in ("exit_code", "step")}}
+        if self.metrics:
+            fields["metrics"] = self.metrics
+        stopped = outcome.get("stopped")
+        summary = {"run": self.name, "job": self.run.job, "checkpoints": len(found), **outcome}
+        if stopped == "shutdown":
+            restarts = int(self.r.hincrby(runs.train_run(self.name), "restarts", 1))
+            # Not sent from here: this worker still takes messages until it stops. Beat sends
+            # it (launch.send_unsent) to whichever training worker is up.
+            runs.transition(self.r, self.name, (runs.RUNNING,), runs.QUEUED, phase="",
+                            queued_at=time.time(), unsent=1, **fields)
+            self.say(f"worker shutting down: run handed back to the queue (restart {restarts}); "
+                     "the next training worker resumes it from its last checkpoint")
+            return {**summary, "status": runs.QUEUED}
+        if stopped:
+            self.end(runs.CANCELLED, error="cancelled (manage.py train-cancel)", **fields)
+            return {**summary, "status": runs.CANCELLED}
+        code = outcome.get("exit_code", 0)
+        if code != 0:
+            self.end(runs.FAILED, error=f"the trainer exited with code {code}", **fields)
+            raise TrainingError(f"training run {self.name} failed: the trainer exited with code "
+                                f"{code} (log: {self.run_dir / 'train.log'})")
+        self.end(runs.DONE, **fields)
+        self.say(f"run {self.name} done: {len(found)} checkpoint(s)"
+                 + (f", uploaded under {self.s3.location(checkpoints.s3_prefix(self.run.job, self.name))}"
+                    if self.s3 else f" in {self.ckpt_dir}"))
+        return {**summary, "status": runs.DONE}
+
+    def end(self, status: str, **fields) -> None:
+        runs.transition(self.r, self.name, (runs.RUNNING,), status, finished_at=time.time(),
+                        phase="", log_tail=self.log.tail() if self.log else [], **fields)
+        self.say(f"run {self.name}: {status}" + (f" ({fields['error']})" if "error" in fields else ""))
+
+    # -- reporting ---------------------------------------------------------------------------------
+
+    def say(self, line: str) -> None:
+        log.info("run %s: %s", self.name, line)
+        if self.log:
+            for part in line.splitlines() or [""]:
+                self.log.write(part)
+        self._publish_tail()
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        runs.update(self.r, self.name, phase=phase)
+        self._publish(force=True)
+
+    def on_metrics(self, metrics: dict) -> None:
+        self.metrics = metrics
+        self.say("step {step}: loss {loss:.4f}, accuracy {accuracy:.3f}, {tokens_per_s:,.0f} "
+                 "tokens/s".format(**{k: metrics.get(k) or 0 for k in
+                                      ("step", "loss", "accuracy", "tokens_per_s")}))
+        self._publish(force=True)
+        if self.s3 is not None:  # the reference trainer renames a checkpoint into place: complete
+            checkpoints.upload_new(self.s3, self.run.job, self.name, self.ckpt_dir, self.uploaded)
+            runs.update(self.r, self.name, uploaded=self.uploaded)
+
+    def _publish_tail(self) -> None:
+        self._publish(force=False)
+
+    def _publish(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._published < PUBLISH_EVERY_S:
+            return
+        self._published = now
+        tail = self.log.tail() if self.log else []
+        fields = {"log_tail": tail}
+        if self.metrics:
+            fields["metrics"] = self.metrics
+            fields["step"] = self.metrics.get("step", 0)
+        runs.update(self.r, self.name, **fields)
+        self.publish_state({"run": self.name, "job": self.run.job, "trainer": self.run.trainer,
+                            "phase": self.phase, "metrics": self.metrics, "log_tail": tail[-10:]})
+
+    # -- stopping ----------------------------------------------------------------------------------
+
+    def check_stop(self, raise_: bool = True) -> str | None:
+        """"cancel" after train-cancel, "shutdown" during a warm shutdown of the worker, else
+        None; with raise_, raises Stopped instead of returning a reason."""
+        if self._stop_reason is None:
+            now = time.monotonic()
+            if shutdown.requested():
+                self._stop_reason = "shutdown"
+            elif now - self._stop_checked >= STOP_CHECK_EVERY_S:
+                self._stop_checked = now
+                if runs.cancel_requested(self.r, self.name):
+                    self._stop_reason = "cancel"
+        if self._stop_reason and raise_:
+            raise Stopped(self._stop_reason)
+        return self._stop_reason
+
+    def _heartbeat(self) -> None:
+        while not self._beating.wait(self.s.train_heartbeat_s):
+            try:
+                runs.update(self.r, self.name, heartbeat_at=runs.redis_now(self.r))
+            except redis.RedisError as exc:  # a Redis restart: the next beat tries again
+                log.warning("run %s: heartbeat not written: %s", self.name, exc)
+
+    # -- data ----------------------------------------------------------------------------------------
+
+    def _job_storage(self):
+        return job_storage(self.storage, self.run.job)
+
+    def _progress(self) -> dict | None:
+        try:
+            return json.loads(self._job_storage().get(progress_key(self.run.job)))
+        except (StorageError, ValueError):
+            return None

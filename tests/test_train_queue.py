@@ -1,0 +1,189 @@
+"""Training runs through the queue: `manage.py train` -> beat -> the `train` queue -> a training
+worker -> the quality gate -> a trainer; train-status, train-cancel, a warm shutdown's handback.
+The external trainer is tests/command_trainer.py; the reference trainer is in
+test_train_reference_queue.py."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import write_jsonl
+from s3support import AWS_ENV, BUCKET, MotoServer
+from support import ROOT, wait_until
+from test_training_data import good_row, six_token_row, write_batches
+
+# Short, varied lengths: every row finishes, none is short, no one length dominates.
+SIM_ARGS = ("--slots", "16", "--median-tokens", "120", "--p-over-4096", "0.001",
+            "--decode-tps", "4000")
+GATE = '[gate]\nmin_loss_tokens = 8\n'
+
+
+def trainer_command(mode: str) -> str:
+    return f"{sys.executable} {ROOT / 'tests' / 'command_trainer.py'} {mode} --data {{data_path}} " \
+           "--out {output_dir}"
+
+
+def run_status(c, run: str) -> dict:
+    return json.loads(c.manage("train-status", "--run", run, "--json").stdout)
+
+
+def wait_run(c, run: str, statuses: tuple[str, ...], timeout: float = 120) -> dict:
+    return wait_until(lambda: (s := run_status(c, run))["status"] in statuses and s,
+                      timeout=timeout, interval=0.3, what=f"run {run} to be {'/'.join(statuses)}")
+
+
+def queue_run(c, *args: str) -> str:
+    return json.loads(c.manage("train", *args, "--json").stdout)["run"]
+
+
+def generate(c, tmp_path: Path, job: str, n: int) -> None:
+    path = write_jsonl(tmp_path / f"{job}.jsonl",
+                       [{"id": f"{job}{i:03d}", "prompt": f"w{i} w{i * 3} w{i + 11}"} for i in range(n)])
+    c.manage("enqueue", "--dataset", str(path), "--job", job, "--gpus", "1",
+             "--max-output-tokens", "4096")
+
+
+@pytest.fixture
+def s3(tmp_path):
+    moto = MotoServer(tmp_path / "logs" / "moto.log")
+    moto.create_bucket()
+    yield moto
+    moto.stop()
+
+
+def test_command_trainer_after_done_uploads_its_checkpoint_and_records_failures(cluster, tmp_path, s3):
+    c = cluster(s3_uri=f"s3://{BUCKET}/runs", batch_rows="10", batch_max_age_s="1")
+    c.env.update(AWS_ENV, AWS_ENDPOINT_URL=s3.url)
+    config = write_text(tmp_path / "train.toml", GATE)
+    c.start_server(0, *SIM_ARGS)
+    c.start_worker(0)
+    c.start_beat()
+    c.start_train_worker()
+    generate(c, tmp_path, "cmd", 40)
+    run = queue_run(c, "--job", "cmd", "--after-done", "--trainer", "command",
+                    "--command", trainer_command("ok"), "--config", str(config))
+
+    done = wait_run(c, run, ("done", "failed", "refused"), timeout=240)
+    assert done["status"] == "done", done
+    assert c.status("cmd")["status"] == "done"  # launched only once the job was done
+    assert done["gate"]["passed"] and done["gate"]["rows"] == 40
+    assert int(done["exit_code"]) == 0 and float(done["duration_s"]) > 0
+    log = Path(done["log_path"]).read_text()
+    assert f"read {done['gate']['kept']} rows from conversations.jsonl" in log  # the export
+    assert any("saved checkpoint" in line for line in done["log_tail"])
+    [ckpt] = done["checkpoints"]
+    assert ckpt["name"] == "step_5" and ckpt["step"] == 5
+    assert ckpt["uri"] == f"s3://{BUCKET}/runs/cmd/training/{run}/checkpoints/step_5"
+    listed = s3.client().list_objects_v2(Bucket=BUCKET, Prefix=f"runs/cmd/training/{run}/")
+    names = sorted(o["Key"].rsplit("/", 1)[1] for o in listed["Contents"])
+    assert names == ["config.json", "weights.bin"]
+    weights = s3.client().get_object(
+        Bucket=BUCKET, Key=f"runs/cmd/training/{run}/checkpoints/step_5/weights.bin")["Body"].read()
+    assert weights == (Path(ckpt["path"]) / "weights.bin").read_bytes()
+
+    # A trainer that fails: the run fails with its exit code, and its log says why.
+    failing = queue_run(c, "--job", "cmd", "--trainer", "command", "--command",
+                        trainer_command("fail"), "--config", str(config))
+    failed = wait_run(c, failing, ("done", "failed"))
+    assert failed["status"] == "failed" and int(failed["exit_code"]) == 3
+    assert "exited with code 3" in failed["error"]
+    assert any("CUDA out of memory" in line for line in failed["log_tail"])
+    c.env["COLUMNS"] = "200"  # rich's width when not on a terminal
+    table = c.manage("train-status").stdout
+    assert run in table and failing in table and "failed" in table
+
+
+def test_cancel_stops_the_trainer_and_a_warm_shutdown_hands_the_run_back(cluster, tmp_path):
+    c = cluster()
+    write_batches(c.output_dir, "ready", [good_row(i) for i in range(30)])  # shipped elsewhere
+    config = write_text(tmp_path / "train.toml", GATE)
+    worker = c.start_train_worker()
+    c.start_beat()  # sends the run again after the handback
+    run = queue_run(c, "--job", "ready", "--trainer", "command", "--command",
+                    trainer_command("hang"), "--config", str(config))
+    pid_file = c.output_dir / "training" / run / "checkpoints" / "trainer.pid"
+    wait_until(pid_file.exists, timeout=60, what="the trainer to start")
+    first_pid = int(pid_file.read_text())
+    assert run_status(c, run)["status"] == "running"
+
+    # TERM to the worker (a node being drained): the trainer is stopped, the run queued again.
+    worker.stop()
+    assert not pid_alive(first_pid)
+    back = run_status(c, run)
+    assert back["status"] == "queued" and back["restarts"] == 1 and back["attempts"] == 1, back
+    pid_file.unlink()
+    c.start_train_worker()  # the next worker takes it from the queue
+    wait_until(pid_file.exists, timeout=60, what="the run to start again on the new worker")
+    second_pid = int(pid_file.read_text())
+    assert run_status(c, run)["attempts"] == 2
+
+    out = c.manage("train-cancel", "--run", run).stdout
+    assert "cancel requested" in out
+    cancelled = wait_run(c, run, ("cancelled",), timeout=60)
+    assert "train-cancel" in cancelled["error"]
+    assert not pid_alive(second_pid)
+    assert any("SIGTERM" in line for line in cancelled["log_tail"])
+    assert "already cancelled" in c.manage("train-cancel", "--run", run).stdout
+
+
+def test_the_quality_gate_refuses_a_bad_dataset(cluster, tmp_path):
+    c = cluster()
+    write_batches(c.output_dir, "six", [six_token_row(i) if i % 10 else good_row(i)
+                                        for i in range(200)])
+    c.start_train_worker()
+    run = queue_run(c, "--job", "six", "--trainer", "command", "--command",
+                    trainer_command("ok"))
+    refused = wait_run(c, run, ("refused", "done", "failed"))
+    assert refused["status"] == "refused"
+    assert refused["gate"]["passed"] is False
+    assert any("loss-mask spike" in f for f in refused["gate"]["failures"])
+    assert "quality gate failed" in refused["error"]
+    assert not (c.output_dir / "training" / run / "checkpoints").exists()  # never ran
+    detail = c.manage("train-status", "--run", run).stdout
+    assert "FAILED" in detail and "loss-mask spike" in detail
+
+
+def test_train_rejects_bad_input_before_queueing(cluster, tmp_path):
+    c = cluster()
+    write_batches(c.output_dir, "ok", [good_row(i) for i in range(5)])
+    bad_field = write_text(tmp_path / "bad.toml", "[gate]\nmin_loss_tokenz = 3\n")
+    result = c.manage("train", "--job", "ok", "--config", str(bad_field), check=False)
+    assert result.returncode == 2 and "min_loss_tokenz" in result.stderr
+    assert str(bad_field) in result.stderr.replace("\n", "")
+    bad_type = write_text(tmp_path / "type.toml", '[reference]\ntarget_model = "/m"\nblock_size = "big"\n')
+    result = c.manage("train", "--job", "ok", "--config", str(bad_type), check=False)
+    assert result.returncode == 2 and "block_size" in result.stderr
+    result = c.manage("train", "--job", "ok", "--trainer", "command", check=False)
+    assert result.returncode == 2 and "{specforge_dir}, {target_model}" in result.stderr
+    result = c.manage("train", "--job", "ok", "--trainer", "command",
+                      "--command", "train --lr {lr}", check=False)
+    assert result.returncode == 2 and "{lr}" in result.stderr
+    result = c.manage("train", "--job", "nope", "--trainer", "command", "--command", "true",
+                      check=False)
+    assert result.returncode == 1 and "no manifest" in result.stderr
+    result = c.manage("train", "--job", "nope", "--after-done", "--trainer", "command",
+                      "--command", "true", check=False)
+    assert result.returncode == 1 and "no job named 'nope'" in result.stderr
+    assert json.loads(c.manage("train-status", "--json").stdout) == []  # nothing was queued
+
+
+def write_text(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
