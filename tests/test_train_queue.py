@@ -98,8 +98,8 @@ def test_command_trainer_after_done_uploads_its_checkpoint_and_records_failures(
     assert run in table and failing in table and "failed" in table
 
 
-def test_cancel_stops_the_trainer_and_a_warm_shutdown_hands_the_run_back(cluster, tmp_path):
-    c = cluster()
+def test_a_run_survives_a_drain_and_a_crash_then_is_cancelled(cluster, tmp_path):
+    c = cluster(train_heartbeat_s="0.5", train_stale_s="3")
     write_batches(c.output_dir, "ready", [good_row(i) for i in range(30)])  # shipped elsewhere
     config = write_text(tmp_path / "train.toml", GATE)
     worker = c.start_train_worker()
@@ -116,17 +116,30 @@ def test_cancel_stops_the_trainer_and_a_warm_shutdown_hands_the_run_back(cluster
     assert not pid_alive(first_pid)
     back = run_status(c, run)
     assert back["status"] == "queued" and back["restarts"] == 1 and back["attempts"] == 1, back
+    assert "shut down" in back["restart_reason"]
     pid_file.unlink()
     c.start_train_worker()  # the next worker takes it from the queue
     wait_until(pid_file.exists, timeout=60, what="the run to start again on the new worker")
     second_pid = int(pid_file.read_text())
     assert run_status(c, run)["attempts"] == 2
 
+    # SIGKILL to that worker (a crash): its trainer dies with it, the heartbeat stops, beat
+    # queues the run again and the next worker takes it.
+    c.train_workers[-1].kill()
+    wait_until(lambda: not pid_alive(second_pid), timeout=10, what="the orphaned trainer to die")
+    pid_file.unlink()
+    c.start_train_worker()
+    wait_until(pid_file.exists, timeout=60, what="the run to be queued again and start")
+    third_pid = int(pid_file.read_text())
+    again = run_status(c, run)
+    assert again["attempts"] == 3 and again["restarts"] == 2
+    assert "no heartbeat" in again["restart_reason"]
+
     out = c.manage("train-cancel", "--run", run).stdout
     assert "cancel requested" in out
     cancelled = wait_run(c, run, ("cancelled",), timeout=60)
     assert "train-cancel" in cancelled["error"]
-    assert not pid_alive(second_pid)
+    assert not pid_alive(third_pid)
     assert any("SIGTERM" in line for line in cancelled["log_tail"])
     assert "already cancelled" in c.manage("train-cancel", "--run", run).stdout
 

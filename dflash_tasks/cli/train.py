@@ -206,7 +206,7 @@ def _detail(run) -> None:
         t.add_row("worker", f"{run.get('worker')} (heartbeat at Redis time "
                             f"{float(run.get('heartbeat_at') or 0):.0f}; attempts "
                             f"{run.get('attempts')}, restarts {run.get('restarts')})")
-    for k in ("exit_code", "duration_s", "error", "run_dir", "log_path"):
+    for k in ("exit_code", "duration_s", "error", "restart_reason", "run_dir", "log_path"):
         if run.get(k) not in (None, ""):
             t.add_row(k.replace("_", " "), str(run.get(k)))
     if run.trainer == "command" and run.spec.get("command"):

@@ -1,6 +1,6 @@
-"""Beat's tasks, on the `control` queue: seal batches and write progress.json, launch the
-training runs whose data is ready (tick); keep every GPU's window full, re-dispatch lost prompts
-and queue again the training runs whose worker died (maintain)."""
+"""Beat's tasks, on the `control` queue: seal batches and write progress.json, launch training
+runs whose data is ready and queue again those whose worker stopped or died (tick); keep every
+GPU's window full and re-dispatch lost prompts (maintain)."""
 from __future__ import annotations
 
 import json
@@ -131,8 +131,7 @@ def tick() -> None:
             except Exception:  # one job's trouble must not stop the others' progress.json
                 log.exception("job %s: tick failed", name)
     try:
-        launch.launch_ready(r, send_training)
-        launch.send_unsent(r, send_training)
+        launch.beat(r, get_settings(), send_training)
     except Exception:
         log.exception("launching training runs failed (tried again at the next tick)")
 
@@ -150,4 +149,3 @@ def maintain() -> None:
                 log.warning("job %s gpu%d: %d prompts dispatched again (no outcome after %ds)",
                             name, gpu, reaped, s.reap_after_s)
             dispatch.topup(app, name, gpu)
-    launch.requeue_lost(r, s, send_training)

@@ -57,7 +57,8 @@ def run_command(argv: list[str], *, cwd: Path, env: dict[str, str], log: LogTail
     try:
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                errors="replace", start_new_session=True)
+                                errors="replace", start_new_session=True,
+                                preexec_fn=_die_with_parent)
     except OSError as exc:
         log.write(f"could not start the trainer: {exc}")
         return CommandResult(127, time.monotonic() - started, None)
@@ -89,6 +90,16 @@ def run_command(argv: list[str], *, cwd: Path, env: dict[str, str], log: LogTail
     code = proc.returncode
     log.write(f"trainer exited with code {code} after {time.monotonic() - started:.1f}s")
     return CommandResult(code, time.monotonic() - started, stopped)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the thread that started it dies (the worker killed or
+    OOM-killed), so a run queued again never finds the old trainer still holding the GPUs.
+    The training worker's pool thread lives as long as the worker."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

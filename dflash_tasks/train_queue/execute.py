@@ -205,7 +205,8 @@ class RunSession:
             # Not sent from here: this worker still takes messages until it stops. Beat sends
             # it (launch.send_unsent) to whichever training worker is up.
             runs.transition(self.r, self.name, (runs.RUNNING,), runs.QUEUED, phase="",
-                            queued_at=time.time(), unsent=1, **fields)
+                            queued_at=time.time(), unsent=1,
+                            restart_reason=f"{self.hostname} shut down: handed back", **fields)
             self.say(f"worker shutting down: run handed back to the queue (restart {restarts}); "
                      "the next training worker resumes it from its last checkpoint")
             return {**summary, "status": runs.QUEUED}

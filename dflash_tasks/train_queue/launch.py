@@ -22,6 +22,13 @@ from . import runs
 log = logging.getLogger(__name__)
 
 
+def beat(r: redis.Redis, s: Settings, send) -> None:
+    """Every beat tick: launch, send again, queue again (each a compare-and-set per run)."""
+    launch_ready(r, send)
+    send_unsent(r, send)
+    requeue_lost(r, s, send)
+
+
 def shipped_rows(r: redis.Redis, job: str) -> int:
     return sum(json.loads(v)["rows"] for v in r.hvals(JobKeys(job).manifest))
 
@@ -83,7 +90,7 @@ def requeue_lost(r: redis.Redis, s: Settings, send) -> list[str]:
                 log.error("training run %s: %s after %d restarts: failed", name, silent, restarts)
             continue
         if runs.transition(r, name, (runs.RUNNING,), runs.QUEUED, phase="", restarts=restarts + 1,
-                           error=f"{silent}: queued again"):
+                           restart_reason=f"{silent}: queued again"):
             send(name)
             queued.append(name)
             log.warning("training run %s: %s: queued again (restart %d of %d); it resumes from "

@@ -6,7 +6,7 @@ Fields of a run's hash (JSON where marked):
   min_rows, spec (JSON: the gate, reference and command sections of --config, the template);
 - status: waiting -> queued -> running -> done | failed | refused | cancelled; created_at,
   queued_at, started_at, finished_at; attempts (times a worker started it); restarts (times it
-  was handed back or found lost and queued again);
+  was handed back or found lost and queued again) and restart_reason (the latest);
 - while running: worker, heartbeat_at (Redis time), phase ("gate", "export", "train",
   "upload"), step, metrics (JSON: the latest), log_tail (JSON: the last lines of its log),
   run_dir, log_path;
