@@ -27,7 +27,7 @@ def train(self, run_name: str) -> dict:
             self.update_state(state="PROGRESS", meta=meta)
 
     session = RunSession(r, run, get_settings(), publish_state=publish_state,
-                         hostname=self.request.hostname or "")
+                         hostname=self.request.hostname or "", task_id=self.request.id)
     return session.execute()
 
 

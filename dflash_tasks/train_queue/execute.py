@@ -51,11 +51,11 @@ class Stopped(Exception):
 
 class RunSession:
     def __init__(self, r: redis.Redis, run: runs.Run, settings: Settings, *,
-                 publish_state: Callable[[dict], None], hostname: str):
+                 publish_state: Callable[[dict], None], hostname: str, task_id: str | None = None):
         self.r, self.run, self.s = r, run, settings
         self.name = run.run
         self.publish_state = publish_state
-        self.hostname = hostname
+        self.hostname, self.task_id = hostname, task_id or ""
         self.run_dir = settings.training_dir() / run.run
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.storage = storage_for(settings)
@@ -77,6 +77,7 @@ class RunSession:
             return {"run": self.name, "status": runs.QUEUED, "started": False}
         if not runs.transition(self.r, self.name, (runs.QUEUED,), runs.RUNNING,
                                started_at=time.time(), worker=self.hostname, phase="gate",
+                               task_id=self.task_id,
                                heartbeat_at=runs.redis_now(self.r), run_dir=str(self.run_dir),
                                log_path=str(self.run_dir / "train.log")):
             current = runs.load(self.r, self.name)

@@ -7,7 +7,7 @@ Fields of a run's hash (JSON where marked):
 - status: waiting -> queued -> running -> done | failed | refused | cancelled; created_at,
   queued_at, started_at, finished_at; attempts (times a worker started it); restarts (times it
   was handed back or found lost and queued again) and restart_reason (the latest);
-- while running: worker, heartbeat_at (Redis time), phase ("gate", "export", "train",
+- while running: worker, task_id (its Celery task: Flower shows its state), heartbeat_at (Redis time), phase ("gate", "export", "train",
   "upload"), step, metrics (JSON: the latest), log_tail (JSON: the last lines of its log),
   run_dir, log_path;
 - at the end: exit_code and duration_s (command), checkpoints (JSON list of {name, path,

@@ -1,0 +1,76 @@
+"""The reference DFlash trainer launched through the queue: `manage.py train --min-rows` on rows
+the simulated server is still producing, a tiny random Qwen3 as the frozen target, the loss
+falling over a few hundred steps, metrics in the run, in the Celery task's state and in
+metrics.jsonl."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from support import wait_until
+from test_train_queue import generate, queue_run, run_status, wait_run
+from tiny_target import build_tiny_target
+
+STEPS = 200
+
+
+def test_reference_trainer_through_the_queue_learns_the_rows(cluster, tmp_path):
+    target = build_tiny_target(tmp_path / "target", layers=3)
+    config = tmp_path / "train.toml"
+    config.write_text(f"""
+[gate]
+min_loss_tokens = 8
+[reference]
+target_model = "{target}"
+block_size = 4
+anchors_per_sequence = 8
+decay_gamma = 4.0
+learning_rate = 3e-3
+max_length = 512
+min_loss_tokens = 8
+max_steps = {STEPS}
+log_every = 10
+checkpoint_every = 100
+poll_s = 0.5
+""")
+    c = cluster(batch_rows="8", batch_max_age_s="1")
+    # About 20 s of generation: the run starts at 8 shipped rows, long before the job ends, and
+    # follows it.
+    c.start_server(0, "--slots", "4", "--median-tokens", "60", "--p-over-4096", "0.001",
+                   "--decode-tps", "30")
+    c.start_worker(0)
+    c.start_beat()
+    c.start_train_worker()
+    generate(c, tmp_path, "ref", 24)
+    run = queue_run(c, "--job", "ref", "--min-rows", "8", "--config", str(config))
+    assert run_status(c, run)["status"] == "waiting"
+
+    def progress_state():
+        s = run_status(c, run)
+        assert s["status"] in ("waiting", "queued", "running"), s
+        meta = s.get("task_id") and c.r.get(f"celery-task-meta-{s['task_id']}")
+        state = json.loads(meta) if meta else {}
+        return state.get("status") == "PROGRESS" and (state["result"]["metrics"] or {}).get("step") \
+            and (s, state)
+
+    running, state = wait_until(progress_state, timeout=180, interval=0.2,
+                                what="the run's metrics in its Celery task state")
+    assert 8 <= running["gate"]["rows"] < 24  # launched on the rows shipped so far
+    assert any("following the job" in line for line in running["log_tail"]), running["log_tail"]
+    metrics = state["result"]["metrics"]
+    assert len(metrics["accuracy_by_position"]) == 3 and metrics["tokens_per_s"] > 0
+
+    done = wait_run(c, run, ("done", "failed", "refused", "cancelled"), timeout=600)
+    assert done["status"] == "done", done
+    assert c.status("ref")["status"] == "done"
+    lines = [json.loads(line) for line in (Path(done["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(10, STEPS + 1, 10))
+    first, last = lines[0]["loss"], sum(m["loss"] for m in lines[-3:]) / 3
+    assert last < 0.5 * first, [round(m["loss"], 3) for m in lines]
+    assert done["metrics"]["step"] == STEPS and done["step"] == STEPS
+    assert [ck["name"] for ck in done["checkpoints"]] == ["step_00000100", "step_00000200"]
+    assert (Path(done["checkpoints"][-1]["path"]) / "drafter.safetensors").is_file()
+    result = json.loads(c.r.get(f"celery-task-meta-{done['task_id']}"))
+    assert result["status"] == "SUCCESS" and result["result"]["status"] == "done"
+    detail = c.manage("train-status", "--run", run).stdout
+    assert "accuracy by position" in detail and f"step_{STEPS:08d}" in detail
