@@ -105,7 +105,8 @@ def load_launcher():
 
 
 SGLANG = {name: s for name, s in SERVICES.items() if "sglang.launch_server" in argv(s)}
-WORKERS = {name: s for name, s in SERVICES.items() if (m := manage_call(s)) and m[0] == "worker"}
+WORKERS = {name: s for name, s in SERVICES.items()
+           if (m := manage_call(s)) and m[0] == "worker" and "--gpu" in m[1]}
 
 
 # -- docker-compose.yml -------------------------------------------------------------------------
@@ -117,11 +118,15 @@ def test_cli_check_catches_typos():
     assert cli_errors("worker", ["--gpu", "-1"])           # out of range
     assert cli_errors("worker", ["--sglang-url", "http://x:1"])  # --gpu is required
     assert cli_errors("flower", ["--adress", "0.0.0.0"])
+    assert cli_errors("worker", ["--queue", "train"]) == []
+    assert cli_errors("worker", ["--queue", "train", "--gpu", "0"])   # one role
+    assert cli_errors("worker", ["--queue", "train", "--concurrency", "2"])
 
 
 def test_manage_py_services_use_real_subcommands_and_options():
     calls = {name: call for name, s in SERVICES.items() if (call := manage_call(s))}
     assert {"flower", "beat", "worker"} <= {sub for sub, _ in calls.values()}, calls
+    assert calls["train-worker"] == ("worker", ["--queue", "train"])
     errors = [f"service {name}: {e}" for name, (sub, args) in calls.items() for e in cli_errors(sub, args)]
     assert not errors, "\n".join(errors)
 

@@ -19,7 +19,22 @@ def _exec_celery(args: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "celery", "-A", "dflash_tasks", *args])
 
 
-@click.command()
+class _OneRole(click.Command):
+    """A worker is a GPU's (--gpu) or the training worker (--queue train), checked when the
+    arguments are parsed (so a deployment file's typo is caught without starting anything)."""
+
+    def parse_args(self, ctx, args):
+        rest = super().parse_args(ctx, args)
+        if (ctx.params.get("gpu") is None) == (ctx.params.get("queue") is None):
+            raise click.UsageError("pass --gpu I (a generation worker) or --queue train (the "
+                                   "training worker)", ctx)
+        if ctx.params.get("queue") and ctx.params.get("concurrency") not in (None, 1):
+            raise click.UsageError("the training worker runs one training at a time: "
+                                   "--concurrency 1", ctx)
+        return rest
+
+
+@click.command(cls=_OneRole)
 @click.option("--gpu", type=click.IntRange(min=0), help="GPU index I: consumes queue gpuI.")
 @click.option("--queue", type=click.Choice(["train"]),
               help="train: the training worker (one run at a time; manage.py train queues runs).")
@@ -33,13 +48,7 @@ def worker(gpu: int | None, queue: str | None, sglang_url: str | None, concurren
     (--queue train)."""
     from ..sglang import SGLangClient, SGLangError
 
-    if (gpu is None) == (queue is None):
-        raise click.UsageError("pass --gpu I (a generation worker) or --queue train (the "
-                               "training worker)")
     if queue == "train":
-        if concurrency not in (None, 1):
-            raise click.UsageError("the training worker runs one training at a time: "
-                                   "--concurrency 1")
         # Threads, not prefork: the run executes in this process, so a warm shutdown (TERM)
         # reaches it at once and it hands itself back to the queue from its last checkpoint.
         _exec_celery(["worker", "-Q", "train", "-n", "train@%h", "-P", "threads", "-c", "1",
