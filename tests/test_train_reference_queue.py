@@ -1,7 +1,7 @@
 """The reference DFlash trainer launched through the queue: `manage.py train --min-rows` on rows
 the simulated server is still producing, a tiny random Qwen3 as the frozen target, the loss
-falling over a few hundred steps, metrics in the run, in the Celery task's state and in
-metrics.jsonl."""
+falling over a few hundred steps of a small repeated dataset, metrics in the run, in the Celery
+task's state and in metrics.jsonl."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from support import wait_until
 from test_train_queue import generate, queue_run, run_status, wait_run
 from tiny_target import build_tiny_target
 
-STEPS = 200
+STEPS = 300
 
 
 def test_reference_trainer_through_the_queue_learns_the_rows(cluster, tmp_path):
@@ -23,26 +23,26 @@ min_loss_tokens = 8
 [reference]
 target_model = "{target}"
 block_size = 4
-anchors_per_sequence = 8
+anchors_per_sequence = 16
 decay_gamma = 4.0
-learning_rate = 3e-3
+learning_rate = 1e-2
 max_length = 512
 min_loss_tokens = 8
+shuffle_buffer = 2
 max_steps = {STEPS}
 log_every = 10
 checkpoint_every = 100
 poll_s = 0.5
 """)
-    c = cluster(batch_rows="8", batch_max_age_s="1")
-    # About 20 s of generation: the run starts at 8 shipped rows, long before the job ends, and
-    # follows it.
-    c.start_server(0, "--slots", "4", "--median-tokens", "60", "--p-over-4096", "0.001",
-                   "--decode-tps", "30")
+    c = cluster(batch_rows="2", batch_max_age_s="1")
+    # Six rows of 80 tokens, two at a time at 10 tokens/s: the run starts at 2 shipped rows,
+    # long before the job ends, and follows it; then the six rows repeat, epoch after epoch.
+    c.start_server(0, "--slots", "2", "--fixed-tokens", "80", "--decode-tps", "10")
     c.start_worker(0)
     c.start_beat()
     c.start_train_worker()
-    generate(c, tmp_path, "ref", 24)
-    run = queue_run(c, "--job", "ref", "--min-rows", "8", "--config", str(config))
+    generate(c, tmp_path, "ref", 6)
+    run = queue_run(c, "--job", "ref", "--min-rows", "2", "--config", str(config))
     assert run_status(c, run)["status"] == "waiting"
 
     def progress_state():
@@ -55,7 +55,7 @@ poll_s = 0.5
 
     running, state = wait_until(progress_state, timeout=180, interval=0.2,
                                 what="the run's metrics in its Celery task state")
-    assert 8 <= running["gate"]["rows"] < 24  # launched on the rows shipped so far
+    assert 2 <= running["gate"]["rows"] < 6  # launched on the rows shipped so far
     assert any("following the job" in line for line in running["log_tail"]), running["log_tail"]
     metrics = state["result"]["metrics"]
     assert len(metrics["accuracy_by_position"]) == 3 and metrics["tokens_per_s"] > 0
@@ -66,9 +66,9 @@ poll_s = 0.5
     lines = [json.loads(line) for line in (Path(done["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(10, STEPS + 1, 10))
     first, last = lines[0]["loss"], sum(m["loss"] for m in lines[-3:]) / 3
-    assert last < 0.5 * first, [round(m["loss"], 3) for m in lines]
+    assert last < 0.5 * first, [round(m["loss"], 3) for m in lines]  # about 0.35 seen
     assert done["metrics"]["step"] == STEPS and done["step"] == STEPS
-    assert [ck["name"] for ck in done["checkpoints"]] == ["step_00000100", "step_00000200"]
+    assert [ck["name"] for ck in done["checkpoints"]] == ["step_00000100", "step_00000200", "step_00000300"]
     assert (Path(done["checkpoints"][-1]["path"]) / "drafter.safetensors").is_file()
     result = json.loads(c.r.get(f"celery-task-meta-{done['task_id']}"))
     assert result["status"] == "SUCCESS" and result["result"]["status"] == "done"
