@@ -35,7 +35,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -62,14 +62,21 @@ def job_finished(progress: dict | None) -> bool:
         not progress.get("unsealed_rows") and progress.get("sealing_batch") is None
 
 
+class FollowStopped(Exception):
+    """Following a job was stopped by `should_stop` while waiting for a batch."""
+
+
 class JobDataset(IterableDataset):
     def __init__(self, job: str, source: str | Path | Storage | None = None, *,
                  rules: Rules | None = None, tokenizer: str | Path | ChatTemplate | None = None,
                  follow: bool = False, poll_s: float = 5.0, follow_timeout_s: float | None = None,
-                 rank: int | None = None, world_size: int | None = None, tensors: bool = True):
+                 rank: int | None = None, world_size: int | None = None, tensors: bool = True,
+                 should_stop: Callable[[], bool] | None = None):
         """`source`: an s3:// URI, a directory, a Storage, or None for DFLASH_S3_URI or else
         DFLASH_OUTPUT_DIR. `tokenizer`: the target tokenizer's directory, used only for rows
-        without server token ids (skipped and counted when there is none)."""
+        without server token ids (skipped and counted when there is none). `should_stop`:
+        asked every second while following waits for a batch; True raises FollowStopped (a
+        training run cancelled while the job it follows is slow)."""
         super().__init__()
         if (rank is None) != (world_size is None):
             raise ValueError("pass both rank and world_size, or neither")
@@ -81,6 +88,7 @@ class JobDataset(IterableDataset):
         self.follow, self.poll_s, self.follow_timeout_s = follow, poll_s, follow_timeout_s
         self.rank, self.world_size = rank, world_size
         self.tensors = tensors
+        self.should_stop = should_stop
         self.stats: Counter = Counter()  # of the last iteration in this process
 
     # -- where and who ---------------------------------------------------------------------------
@@ -163,7 +171,14 @@ class JobDataset(IterableDataset):
                     time.monotonic() - last_new > self.follow_timeout_s:
                 raise TimeoutError(f"job {self.job}: no new batch for {self.follow_timeout_s:g}s "
                                    "and the job is not finished")
-            time.sleep(self.poll_s)
+            self._wait(self.poll_s)
+
+    def _wait(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.should_stop is not None and self.should_stop():
+                raise FollowStopped(f"job {self.job}: stopped while waiting for its next batch")
+            time.sleep(min(left, 1.0))
 
     def _batch(self, storage: Storage, rec: dict, template: ChatTemplate | None,
                seen: set[str]) -> Iterator[dict]:

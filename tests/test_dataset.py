@@ -134,3 +134,26 @@ def test_s3_through_the_manifest_validate_export_and_two_workers(tmp_path, monke
         assert len((tmp_path / "exp" / "tokenized.jsonl").read_text().splitlines()) == 59
     finally:
         server.stop()
+
+
+def test_following_a_slow_job_stops_on_request(tmp_path):
+    """A training run cancelled while the job it follows ships nothing new stops at once,
+    not after the job's next batch."""
+    import time
+
+    import pytest
+
+    from dflash_tasks.dataset import FollowStopped
+
+    write_batches(tmp_path, "slow", [good_row(i) for i in range(3)])
+    (tmp_path / "slow" / "progress.json").write_text(json.dumps({"status": "running"}))
+    stop: list[bool] = []
+    dataset = JobDataset("slow", tmp_path, follow=True, poll_s=60, tensors=False,
+                         should_stop=lambda: bool(stop))
+    samples = iter(dataset)
+    assert [next(samples)["id"] for _ in range(3)] == ["good0000", "good0001", "good0002"]
+    stop.append(True)
+    started = time.monotonic()
+    with pytest.raises(FollowStopped):
+        next(samples)
+    assert time.monotonic() - started < 30  # not the 60 s poll

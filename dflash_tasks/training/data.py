@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from itertools import islice
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -36,12 +36,13 @@ def shuffled(samples: Iterable[dict], size: int, generator: torch.Generator) -> 
 
 
 def job_dataset(config: TrainConfig, job: str, source: str | Path | Storage,
-                template: ChatTemplate | None, follow: bool) -> JobDataset:
+                template: ChatTemplate | None, follow: bool,
+                should_stop: Callable[[], bool] | None = None) -> JobDataset:
     # rank 0 of 1 whatever RANK/WORLD_SIZE say: this trainer is one process and reads every batch
     return JobDataset(job, source, rules=Rules(min_loss_tokens=config.min_loss_tokens,
                                                max_length=config.max_length),
                       tokenizer=template, follow=follow, poll_s=config.poll_s,
-                      rank=0, world_size=1)
+                      rank=0, world_size=1, should_stop=should_stop)
 
 
 def epoch_batches(dataset: JobDataset, config: TrainConfig, epoch: int,

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from ..dataset import pad_collate
+from ..dataset import FollowStopped, pad_collate
 from ..storage import Storage
 from ..training_data.tokens import ChatTemplate
 from .blocks import IGNORE, block_loss, build_blocks, position_accuracy, sample_anchors
@@ -222,33 +222,39 @@ def train(config: TrainConfig, *, job: str, source: str | Path | Storage, run_di
     """Train a drafter on `job`'s rows read from `source` (a directory, an s3:// URI or a
     Storage), writing metrics.jsonl and checkpoints under run_dir; resumes from the newest
     checkpoint there. `follow`: keep reading a running job's new batches (first epoch), as
-    JobDataset does. `should_stop` is asked after every step: True saves and returns "stopped"."""
+    JobDataset does. `should_stop` is asked after every step, and every second while following
+    waits for a batch: True saves and returns "stopped"."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     run = _Run(config, run_dir, log or logger.info, on_metrics)
     run.resume()
     progress, status = run.progress, "done"
     while not run.finished() and status == "done":
-        dataset = job_dataset(config, job, source, run.template, follow and progress.epoch == 0)
-        for samples in epoch_batches(dataset, config, progress.epoch, skip=progress.epoch_samples):
-            run.step(samples)
-            stop = should_stop is not None and should_stop()
-            if progress.step % config.log_every == 0 or stop or run.finished():
-                run.flush()
-            if progress.step % config.checkpoint_every == 0:
-                run.save()
-            if stop:
-                status = "stopped"
-                break
-            if run.finished():
-                break
-        else:  # the epoch is exhausted
-            if dataset.stats["yielded"] == 0:
-                raise RuntimeError(f"job {job}: no row passed the rules in epoch "
-                                   f"{progress.epoch} ({dict(dataset.stats)})")
-            run.say(f"epoch {progress.epoch} done: {dict(dataset.stats)}")
-            progress.epoch += 1
-            progress.epoch_samples = 0
+        dataset = job_dataset(config, job, source, run.template, follow and progress.epoch == 0,
+                              should_stop)
+        try:
+            for samples in epoch_batches(dataset, config, progress.epoch,
+                                         skip=progress.epoch_samples):
+                run.step(samples)
+                stop = should_stop is not None and should_stop()
+                if progress.step % config.log_every == 0 or stop or run.finished():
+                    run.flush()
+                if progress.step % config.checkpoint_every == 0:
+                    run.save()
+                if stop:
+                    status = "stopped"
+                    break
+                if run.finished():
+                    break
+            else:  # the epoch is exhausted
+                if dataset.stats["yielded"] == 0:
+                    raise RuntimeError(f"job {job}: no row passed the rules in epoch "
+                                       f"{progress.epoch} ({dict(dataset.stats)})")
+                run.say(f"epoch {progress.epoch} done: {dict(dataset.stats)}")
+                progress.epoch += 1
+                progress.epoch_samples = 0
+        except FollowStopped:  # stopped while the followed job had no new batch
+            status = "stopped"
     if run.window.steps:  # the last epoch ended between two metrics lines
         run.flush()
     if progress.step > run.saved_step:
