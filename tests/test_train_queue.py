@@ -98,7 +98,7 @@ def test_command_trainer_after_done_uploads_its_checkpoint_and_records_failures(
     assert run in table and failing in table and "failed" in table
 
 
-def test_a_run_survives_a_drain_and_a_crash_then_is_cancelled(cluster, tmp_path):
+def test_a_run_survives_a_drain_a_crash_and_a_stall_then_is_cancelled(cluster, tmp_path):
     c = cluster(train_heartbeat_s="0.5", train_stale_s="3")
     write_batches(c.output_dir, "ready", [good_row(i) for i in range(30)])  # shipped elsewhere
     config = write_text(tmp_path / "train.toml", GATE)
@@ -135,11 +135,27 @@ def test_a_run_survives_a_drain_and_a_crash_then_is_cancelled(cluster, tmp_path)
     assert again["attempts"] == 3 and again["restarts"] == 2
     assert "no heartbeat" in again["restart_reason"]
 
+    # SIGSTOP to that worker (a node frozen, a long GC pause): given up for dead, the run goes to
+    # a fourth worker; when the frozen one wakes up it finds the run is no longer its own and
+    # stops its trainer, instead of two trainers competing.
+    stalled = c.train_workers[-1]
+    os.kill(stalled.pid, signal.SIGSTOP)
+    pid_file.unlink()
+    c.start_train_worker()
+    wait_until(pid_file.exists, timeout=60, what="the run to move to a fourth worker")
+    fourth_pid = int(pid_file.read_text())
+    os.kill(stalled.pid, signal.SIGCONT)
+    wait_until(lambda: not pid_alive(third_pid), timeout=30,
+               what="the woken worker to stop its trainer")
+    owned = run_status(c, run)
+    assert owned["status"] == "running" and owned["attempts"] == 4 and pid_alive(fourth_pid)
+    assert "no longer owned by this task" in stalled.log()
+
     out = c.manage("train-cancel", "--run", run).stdout
     assert "cancel requested" in out
     cancelled = wait_run(c, run, ("cancelled",), timeout=60)
     assert "train-cancel" in cancelled["error"]
-    assert not pid_alive(third_pid)
+    assert not pid_alive(fourth_pid)
     assert any("SIGTERM" in line for line in cancelled["log_tail"])
     assert "already cancelled" in c.manage("train-cancel", "--run", run).stdout
 

@@ -21,6 +21,7 @@ import shlex
 import threading
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -55,7 +56,8 @@ class RunSession:
         self.r, self.run, self.s = r, run, settings
         self.name = run.run
         self.publish_state = publish_state
-        self.hostname, self.task_id = hostname, task_id or ""
+        # Owns the run while running: a task id, or a unique token when run outside Celery.
+        self.hostname, self.owner = hostname, task_id or f"{hostname}:{uuid.uuid4()}"
         self.run_dir = settings.training_dir() / run.run
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.storage = storage_for(settings)
@@ -77,7 +79,7 @@ class RunSession:
             return {"run": self.name, "status": runs.QUEUED, "started": False}
         if not runs.transition(self.r, self.name, (runs.QUEUED,), runs.RUNNING,
                                started_at=time.time(), worker=self.hostname, phase="gate",
-                               task_id=self.task_id,
+                               task_id=self.owner,
                                heartbeat_at=runs.redis_now(self.r), run_dir=str(self.run_dir),
                                log_path=str(self.run_dir / "train.log")):
             current = runs.load(self.r, self.name)
@@ -117,10 +119,12 @@ class RunSession:
         from ..training_data.exports import validate_job
 
         gate = dict(self.run.spec.get("gate") or {})
-        ref = self.run.spec.get("reference") or {}
-        for k in ("min_loss_tokens", "max_length"):  # the gate judges what the trainer will read
-            if k in ref:
-                gate.setdefault(k, ref[k])
+        if self.run.trainer == "reference":  # the gate judges the rows the trainer will read
+            from ..training.config import TrainConfig
+
+            config = TrainConfig.model_validate(self.run.spec.get("reference") or {})
+            gate.setdefault("min_loss_tokens", config.min_loss_tokens)
+            gate.setdefault("max_length", config.max_length)
         rules, thresholds = spec.gate_settings(gate)
         self.say(f"quality gate over job {self.run.job}'s shipped rows ...")
         try:
@@ -133,7 +137,7 @@ class RunSession:
                    "kept": figures.get("kept"), "dropped": figures.get("dropped", {}),
                    "loss_tokens": {k: v for k, v in figures.get("loss_tokens", {}).items()
                                    if k != "distribution"}}
-        runs.update(self.r, self.name, gate=verdict)
+        self._record(gate=verdict)
         if failures:
             for f in failures:
                 self.say(f"  gate: {f}")
@@ -191,6 +195,9 @@ class RunSession:
 
     def finish(self, outcome: dict, duration_s: float) -> dict:
         """Upload what the trainer left, then the run's final status (or back to the queue)."""
+        if outcome.get("stopped") == "lost":
+            self.say("stopped: another task runs this run now")
+            return {"run": self.name, "status": "lost", **outcome}
         self.set_phase("upload")
         found = checkpoints.upload_new(self.s3, self.run.job, self.name, self.ckpt_dir,
                                        self.uploaded)
@@ -205,8 +212,8 @@ class RunSession:
             restarts = int(self.r.hincrby(runs.train_run(self.name), "restarts", 1))
             # Not sent from here: this worker still takes messages until it stops. Beat sends
             # it (launch.send_unsent) to whichever training worker is up.
-            runs.transition(self.r, self.name, (runs.RUNNING,), runs.QUEUED, phase="",
-                            queued_at=time.time(), unsent=1,
+            runs.transition(self.r, self.name, (runs.RUNNING,), runs.QUEUED, owner=self.owner,
+                            phase="", queued_at=time.time(), unsent=1,
                             restart_reason=f"{self.hostname} shut down: handed back", **fields)
             self.say(f"worker shutting down: run handed back to the queue (restart {restarts}); "
                      "the next training worker resumes it from its last checkpoint")
@@ -226,8 +233,9 @@ class RunSession:
         return {**summary, "status": runs.DONE}
 
     def end(self, status: str, **fields) -> None:
-        runs.transition(self.r, self.name, (runs.RUNNING,), status, finished_at=time.time(),
-                        phase="", log_tail=self.log.tail() if self.log else [], **fields)
+        runs.transition(self.r, self.name, (runs.RUNNING,), status, owner=self.owner,
+                        finished_at=time.time(), phase="",
+                        log_tail=self.log.tail() if self.log else [], **fields)
         self.say(f"run {self.name}: {status}" + (f" ({fields['error']})" if "error" in fields else ""))
 
     # -- reporting ---------------------------------------------------------------------------------
@@ -241,8 +249,24 @@ class RunSession:
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
-        runs.update(self.r, self.name, phase=phase)
+        self._record(phase=phase)
         self._publish(force=True)
+
+    def _record(self, **fields) -> None:
+        """Report into the run's hash; a Redis restart must not end a days-long training (the
+        next report writes the news, and the heartbeat thread keeps trying)."""
+        try:
+            if not runs.update(self.r, self.name, owner=self.owner, **fields):
+                self._lost()
+        except redis.RedisError as exc:
+            log.warning("run %s: not reported to Redis (%s); training goes on", self.name, exc)
+
+    def _lost(self) -> None:
+        """Another task owns the run now (this one was given up for dead): stop, touch nothing."""
+        if self._stop_reason != "lost":
+            log.warning("run %s: no longer owned by this task (%s): stopping", self.name,
+                        self.owner)
+        self._stop_reason = "lost"
 
     def on_metrics(self, metrics: dict) -> None:
         self.metrics = metrics
@@ -252,7 +276,7 @@ class RunSession:
         self._publish(force=True)
         if self.s3 is not None:  # the reference trainer renames a checkpoint into place: complete
             checkpoints.upload_new(self.s3, self.run.job, self.name, self.ckpt_dir, self.uploaded)
-            runs.update(self.r, self.name, uploaded=self.uploaded)
+            self._record(uploaded=self.uploaded)
 
     def _publish_tail(self) -> None:
         self._publish(force=False)
@@ -267,23 +291,30 @@ class RunSession:
         if self.metrics:
             fields["metrics"] = self.metrics
             fields["step"] = self.metrics.get("step", 0)
-        runs.update(self.r, self.name, **fields)
-        self.publish_state({"run": self.name, "job": self.run.job, "trainer": self.run.trainer,
-                            "phase": self.phase, "metrics": self.metrics, "log_tail": tail[-10:]})
+        self._record(**fields)
+        try:
+            self.publish_state({"run": self.name, "job": self.run.job, "trainer": self.run.trainer,
+                                "phase": self.phase, "metrics": self.metrics,
+                                "log_tail": tail[-10:]})
+        except Exception as exc:  # the result backend's trouble is not the training's
+            log.warning("run %s: task state not published (%s)", self.name, exc)
 
     # -- stopping ----------------------------------------------------------------------------------
 
     def check_stop(self, raise_: bool = True) -> str | None:
-        """"cancel" after train-cancel, "shutdown" during a warm shutdown of the worker, else
-        None; with raise_, raises Stopped instead of returning a reason."""
+        """"cancel" after train-cancel, "shutdown" during a warm shutdown of the worker, "lost"
+        when another task owns the run now, else None; with raise_, raises Stopped instead of returning a reason."""
         if self._stop_reason is None:
             now = time.monotonic()
             if shutdown.requested():
                 self._stop_reason = "shutdown"
             elif now - self._stop_checked >= STOP_CHECK_EVERY_S:
                 self._stop_checked = now
-                if runs.cancel_requested(self.r, self.name):
-                    self._stop_reason = "cancel"
+                try:
+                    if runs.cancel_requested(self.r, self.name):
+                        self._stop_reason = "cancel"
+                except redis.RedisError:
+                    pass  # Redis restarting: asked again in a second
         if self._stop_reason and raise_:
             raise Stopped(self._stop_reason)
         return self._stop_reason
@@ -291,7 +322,9 @@ class RunSession:
     def _heartbeat(self) -> None:
         while not self._beating.wait(self.s.train_heartbeat_s):
             try:
-                runs.update(self.r, self.name, heartbeat_at=runs.redis_now(self.r))
+                if not runs.update(self.r, self.name, owner=self.owner,
+                                   heartbeat_at=runs.redis_now(self.r)):
+                    self._lost()
             except redis.RedisError as exc:  # a Redis restart: the next beat tries again
                 log.warning("run %s: heartbeat not written: %s", self.name, exc)
 

@@ -85,12 +85,14 @@ def requeue_lost(r: redis.Redis, s: Settings, send) -> list[str]:
         restarts = int(run.get("restarts") or 0)
         silent = f"no heartbeat from {run.get('worker') or 'its worker'} for {now - beat_at:.0f}s"
         if restarts >= s.train_max_restarts:
-            if runs.transition(r, name, (runs.RUNNING,), runs.FAILED, phase="",
+            if runs.transition(r, name, (runs.RUNNING,), runs.FAILED, phase="", task_id="",
                                error=f"{silent}, after {restarts} restarts: given up"):
                 log.error("training run %s: %s after %d restarts: failed", name, silent, restarts)
             continue
-        if runs.transition(r, name, (runs.RUNNING,), runs.QUEUED, phase="", restarts=restarts + 1,
-                           restart_reason=f"{silent}: queued again"):
+        # task_id cleared: should the silent task come back, its next write finds the run is
+        # no longer its own, and it stops.
+        if runs.transition(r, name, (runs.RUNNING,), runs.QUEUED, phase="", task_id="",
+                           restarts=restarts + 1, restart_reason=f"{silent}: queued again"):
             send(name)
             queued.append(name)
             log.warning("training run %s: %s: queued again (restart %d of %d); it resumes from "

@@ -7,7 +7,9 @@ Fields of a run's hash (JSON where marked):
 - status: waiting -> queued -> running -> done | failed | refused | cancelled; created_at,
   queued_at, started_at, finished_at; attempts (times a worker started it); restarts (times it
   was handed back or found lost and queued again) and restart_reason (the latest);
-- while running: worker, task_id (its Celery task: Flower shows its state), heartbeat_at (Redis time), phase ("gate", "export", "train",
+- while running: worker, task_id (the Celery task that owns the run: Flower shows its state;
+  every write of a running task checks it still owns the run, so a task given up for dead that
+  comes back stops instead of competing with its successor), heartbeat_at (Redis time), phase ("gate", "export", "train",
   "upload"), step, metrics (JSON: the latest), log_tail (JSON: the last lines of its log),
   run_dir, log_path;
 - at the end: exit_code and duration_s (command), checkpoints (JSON list of {name, path,
@@ -41,19 +43,21 @@ _INT_FIELDS = ("attempts", "restarts", "exit_code", "step", "cancel_requested")
 _FLOAT_FIELDS = ("created_at", "queued_at", "started_at", "finished_at", "heartbeat_at",
                  "duration_s")
 
-# KEYS[1]: the run's hash. ARGV[1]: the statuses it may be in (comma-separated), ARGV[2]: the
-# new status, then field/value pairs set with it. Returns the old status, or false.
-_TRANSITION = """
+# KEYS[1]: the run's hash. ARGV[1]: the statuses it may be in (comma-separated; empty: any),
+# ARGV[2]: the owner it must have (empty: any), ARGV[3]: the new status (empty: unchanged), then
+# field/value pairs set with it. Returns the status it had, or false.
+_SET_IF = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return false end
-for allowed in string.gmatch(ARGV[1], '[^,]+') do
-  if allowed == current then
-    redis.call('HSET', KEYS[1], 'status', ARGV[2])
-    for i = 3, #ARGV - 1, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-    return current
-  end
+if ARGV[2] ~= '' and redis.call('HGET', KEYS[1], 'task_id') ~= ARGV[2] then return false end
+local allowed = ARGV[1] == ''
+for status in string.gmatch(ARGV[1], '[^,]+') do
+  if status == current then allowed = true end
 end
-return false
+if not allowed then return false end
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'status', ARGV[3]) end
+for i = 4, #ARGV - 1, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return current
 """
 
 
@@ -127,19 +131,29 @@ def names(r: redis.Redis) -> list[str]:
     return [m.decode() for m in r.zrange(TRAIN_RUNS, 0, -1)]
 
 
-def transition(r: redis.Redis, name: str, allowed: tuple[str, ...], new: str,
-               **fields) -> str | None:
-    """Move the run to `new` if its status is one of `allowed`, setting `fields` with it.
-    Returns the status it had, or None when it was in none of them (someone else moved it)."""
-    args = [",".join(allowed), new]
+def transition(r: redis.Redis, name: str, allowed: tuple[str, ...], new: str, *,
+               owner: str | None = None, **fields) -> str | None:
+    """Move the run to `new` if its status is one of `allowed` (and, with `owner`, if that task
+    id is still its task_id), setting `fields` with it. Returns the status it had, or None when the
+    condition did not hold (someone else moved it)."""
+    return _set_if(r, name, ",".join(allowed), owner or "", new, fields)
+
+
+def update(r: redis.Redis, name: str, *, owner: str | None = None, **fields) -> bool:
+    """Set fields; with `owner`, only while that task owns the run. False when it does not."""
+    if owner is None:
+        r.hset(train_run(name), mapping={k: _encode(v) for k, v in fields.items()})
+        return True
+    return _set_if(r, name, "", owner, "", fields) is not None
+
+
+def _set_if(r: redis.Redis, name: str, allowed: str, owner: str, new: str,
+            fields: dict) -> str | None:
+    args = [allowed, owner, new]
     for k, v in fields.items():
         args += [k, _encode(v)]
-    old = r.eval(_TRANSITION, 1, train_run(name), *args)
+    old = r.eval(_SET_IF, 1, train_run(name), *args)
     return old.decode() if old else None
-
-
-def update(r: redis.Redis, name: str, **fields) -> None:
-    r.hset(train_run(name), mapping={k: _encode(v) for k, v in fields.items()})
 
 
 def redis_now(r: redis.Redis) -> float:
