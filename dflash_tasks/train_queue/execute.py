@@ -226,17 +226,17 @@ class RunSession:
             self.end(runs.FAILED, error=f"the trainer exited with code {code}", **fields)
             raise TrainingError(f"training run {self.name} failed: the trainer exited with code "
                                 f"{code} (log: {self.run_dir / 'train.log'})")
-        self.end(runs.DONE, **fields)
-        self.say(f"run {self.name} done: {len(found)} checkpoint(s)"
+        self.say(f"{len(found)} checkpoint(s)"
                  + (f", uploaded under {self.s3.location(checkpoints.s3_prefix(self.run.job, self.name))}"
                     if self.s3 else f" in {self.ckpt_dir}"))
+        self.end(runs.DONE, **fields)
         return {**summary, "status": runs.DONE}
 
     def end(self, status: str, **fields) -> None:
+        self.say(f"run {self.name}: {status}" + (f" ({fields['error']})" if "error" in fields else ""))
         runs.transition(self.r, self.name, (runs.RUNNING,), status, owner=self.owner,
                         finished_at=time.time(), phase="",
                         log_tail=self.log.tail() if self.log else [], **fields)
-        self.say(f"run {self.name}: {status}" + (f" ({fields['error']})" if "error" in fields else ""))
 
     # -- reporting ---------------------------------------------------------------------------------
 
