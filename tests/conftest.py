@@ -146,6 +146,17 @@ def cluster(tmp_path, redis_url):
         c.stop()
 
 
+@pytest.fixture
+def moto(tmp_path):
+    """moto's S3 server over HTTP, with the tests' bucket (s3support.py)."""
+    from s3support import MotoServer
+
+    server = MotoServer(tmp_path / "logs" / "00-moto.log")
+    server.create_bucket()
+    yield server
+    server.stop()
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     with open(path, "w") as f:
         for row in rows:

@@ -123,6 +123,14 @@ def s3_env(endpoint: str, prefix: str = "runs") -> tuple[dict, dict]:
     return {**AWS_ENV, "AWS_ENDPOINT_URL": endpoint}, {"s3_uri": f"s3://{BUCKET}/{prefix}"}
 
 
+def s3_cluster(cluster, endpoint: str, **settings):
+    """A cluster (conftest's `cluster` fixture) shipping to moto at endpoint, under runs/."""
+    env, s3 = s3_env(endpoint)
+    c = cluster(**s3, **settings)
+    c.env.update(env)
+    return c
+
+
 def storage(endpoint: str, prefix: str = "runs"):
     """An S3Storage for the tests' own reads, with the same chain the cluster uses."""
     import os

@@ -13,25 +13,10 @@ from unittest import mock
 import pytest
 import zstandard
 
-from s3support import (AWS_ENV, BUCKET, MotoServer, TcpProxy, assert_shipped_exactly_once,
-                       progress_in_s3, s3_env, storage)
+from s3support import (AWS_ENV, BUCKET, TcpProxy, assert_shipped_exactly_once,
+                       progress_in_s3, s3_cluster, storage)
 from support import wait_until
 from test_pipeline import SIM_ARGS, dataset
-
-
-@pytest.fixture
-def moto(tmp_path):
-    server = MotoServer(tmp_path / "logs" / "00-moto.log")
-    server.create_bucket()
-    yield server
-    server.stop()
-
-
-def s3_cluster(cluster, endpoint: str, **settings):
-    env, s3 = s3_env(endpoint)
-    c = cluster(**s3, **settings)
-    c.env.update(env)
-    return c
 
 
 def start(c, gpus=(0, 1), beat=True):

@@ -10,10 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
-import pytest
-
 from conftest import write_jsonl
-from s3support import AWS_ENV, BUCKET, MotoServer
+from s3support import BUCKET, s3_cluster
 from support import ROOT, wait_until
 from test_training_data import good_row, six_token_row, write_batches
 
@@ -48,17 +46,8 @@ def generate(c, tmp_path: Path, job: str, n: int) -> None:
              "--max-output-tokens", "4096")
 
 
-@pytest.fixture
-def s3(tmp_path):
-    moto = MotoServer(tmp_path / "logs" / "moto.log")
-    moto.create_bucket()
-    yield moto
-    moto.stop()
-
-
-def test_command_trainer_after_done_uploads_its_checkpoint_and_records_failures(cluster, tmp_path, s3):
-    c = cluster(s3_uri=f"s3://{BUCKET}/runs", batch_rows="10", batch_max_age_s="1")
-    c.env.update(AWS_ENV, AWS_ENDPOINT_URL=s3.url)
+def test_command_trainer_after_done_uploads_its_checkpoint_and_records_failures(cluster, tmp_path, moto):
+    c = s3_cluster(cluster, moto.url, batch_rows="10", batch_max_age_s="1")
     config = write_text(tmp_path / "train.toml", GATE)
     c.start_server(0, *SIM_ARGS)
     c.start_worker(0)
@@ -79,10 +68,10 @@ def test_command_trainer_after_done_uploads_its_checkpoint_and_records_failures(
     [ckpt] = done["checkpoints"]
     assert ckpt["name"] == "step_5" and ckpt["step"] == 5
     assert ckpt["uri"] == f"s3://{BUCKET}/runs/cmd/training/{run}/checkpoints/step_5"
-    listed = s3.client().list_objects_v2(Bucket=BUCKET, Prefix=f"runs/cmd/training/{run}/")
+    listed = moto.client().list_objects_v2(Bucket=BUCKET, Prefix=f"runs/cmd/training/{run}/")
     names = sorted(o["Key"].rsplit("/", 1)[1] for o in listed["Contents"])
     assert names == ["config.json", "weights.bin"]
-    weights = s3.client().get_object(
+    weights = moto.client().get_object(
         Bucket=BUCKET, Key=f"runs/cmd/training/{run}/checkpoints/step_5/weights.bin")["Body"].read()
     assert weights == (Path(ckpt["path"]) / "weights.bin").read_bytes()
 
