@@ -31,6 +31,7 @@ from .. import shutdown
 from ..batches import progress_key
 from ..settings import Settings
 from ..storage import S3Storage, StorageError, storage_for
+from ..training.config import TrainConfig
 from ..training_data.reader import NoManifest, job_storage
 from . import checkpoints, runs, spec
 from .command import LogTail, run_command
@@ -120,8 +121,6 @@ class RunSession:
 
         gate = dict(self.run.spec.get("gate") or {})
         if self.run.trainer == "reference":  # the gate judges the rows the trainer will read
-            from ..training.config import TrainConfig
-
             config = TrainConfig.model_validate(self.run.spec.get("reference") or {})
             gate.setdefault("min_loss_tokens", config.min_loss_tokens)
             gate.setdefault("max_length", config.max_length)
@@ -149,7 +148,7 @@ class RunSession:
 
     def train_reference(self) -> dict:
         from ..dataset import job_finished
-        from ..training import TrainConfig, train
+        from ..training import train
 
         config = TrainConfig.model_validate(self.run.spec.get("reference") or {})
         follow = not job_finished(self._progress())

@@ -19,12 +19,13 @@ JSON with the same three objects works too. Paths are paths on the training node
 """
 from __future__ import annotations
 
-import json
 import string
-import tomllib
 from dataclasses import fields
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from ..training.config import TrainConfig, read_table
 from ..training_data.exports import FILES
 from ..training_data.gate import Rules, Thresholds
 
@@ -59,16 +60,9 @@ def read_config(path: Path | None) -> dict:
     if path is None:
         return {s: {} for s in SECTIONS}
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read it ({exc.strerror})") from None
-    try:
-        data = json.loads(text) if Path(path).suffix == ".json" else tomllib.loads(text)
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise SpecError(f"{path}: not valid {'JSON' if Path(path).suffix == '.json' else 'TOML'}: "
-                        f"{exc}") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"{path}: expected a table of sections {', '.join(SECTIONS)}")
+        data = read_table(path)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
         raise SpecError(f"{path}: unknown section {unknown[0]!r} (sections: {', '.join(SECTIONS)})")
@@ -96,9 +90,6 @@ def build(config: dict, trainer: str, command: str | None, source: str = "--conf
     spec = {"trainer": trainer, "gate": config["gate"], "reference": {}, "command": {}}
     gate_settings(config["gate"], f"{source} [gate]")
     if trainer == "reference":
-        from ..training.config import TrainConfig  # not the package: no torch for a CLI check
-        from pydantic import ValidationError
-
         try:
             TrainConfig.model_validate(config["reference"])
         except ValidationError as exc:

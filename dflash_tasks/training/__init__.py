@@ -30,10 +30,17 @@ Modules: `config` (TrainConfig, load_config), `target` (the frozen target and it
 job's samples, shuffled), `checkpoints`, `trainer` (train, resume), `evaluate`
 (greedy_acceptance).
 """
-from .checkpoints import load_drafter
-from .config import TrainConfig, load_config
-from .evaluate import greedy_acceptance
-from .trainer import TrainResult, train
+import importlib
 
-__all__ = ["TrainConfig", "load_config", "train", "TrainResult", "load_drafter",
-           "greedy_acceptance"]
+# Imported on first use, so `manage.py train` checks a config (training.config) without
+# loading torch and transformers.
+_EXPORTS = {"TrainConfig": "config", "load_config": "config", "train": "trainer",
+            "TrainResult": "trainer", "load_drafter": "checkpoints",
+            "greedy_acceptance": "evaluate"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -87,8 +87,9 @@ class TrainConfig(BaseModel):
         return self.decay_gamma if self.decay_gamma is not None and self.decay_gamma > 0 else None
 
 
-def load_config(path: str | Path) -> TrainConfig:
-    """A TrainConfig from a .toml or .json file; ValueError names the file and the bad field."""
+def read_table(path: str | Path) -> dict:
+    """A .json file's object, or a .toml (any other suffix) file's table; ValueError names the
+    file and what is wrong with it."""
     path = Path(path)
     kind = "JSON" if path.suffix == ".json" else "TOML"
     try:
@@ -100,7 +101,13 @@ def load_config(path: str | Path) -> TrainConfig:
     except ValueError as exc:  # TOMLDecodeError and JSONDecodeError are ValueErrors
         raise ValueError(f"{path}: not valid {kind}: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a table of TrainConfig fields")
+        raise ValueError(f"{path}: expected a table of fields at the top level")
+    return data
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """A TrainConfig from a .toml or .json file; ValueError names the file and the bad field."""
+    data = read_table(path)
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as exc:
