@@ -177,7 +177,7 @@ def train_status(run_name: str | None, job: str | None, as_json: bool) -> None:
         console.print("no training runs" + (f" for job {job}" if job else ""))
         return
     t = Table("run", "job", "trainer", "status", "step", "loss", "acc@1", "tokens/s", "exit",
-              "duration", "checkpoints", "updated")
+              "duration (s)", "checkpoints", "updated")
     for run in selected:
         m = run.get("metrics") or {}
         by_pos = m.get("accuracy_by_position") or [None]
@@ -186,8 +186,7 @@ def train_status(run_name: str | None, job: str | None, as_json: bool) -> None:
         t.add_row(run.run, run.job, run.trainer, status, _fmt(m.get("step")),
                   _fmt(m.get("loss"), ".4f"), _fmt(by_pos[0], ".3f"),
                   _fmt(m.get("tokens_per_s"), ",.0f"), _fmt(run.get("exit_code")),
-                  _fmt(run.get("duration_s") and float(run.get("duration_s")), ".0f") + "s"
-                  if run.get("duration_s") else "-",
+                  _fmt(run.get("duration_s"), ".0f"),
                   str(len(run.get("checkpoints") or [])),
                   _ago(run.get("finished_at") or run.get("started_at") or run.get("created_at")))
     console.print(t)
@@ -203,8 +202,7 @@ def _detail(run) -> None:
     t.add_row("created / started / finished", " / ".join(
         _ago(run.get(k)) for k in ("created_at", "started_at", "finished_at")))
     if run.get("worker"):
-        t.add_row("worker", f"{run.get('worker')} (heartbeat at Redis time "
-                            f"{float(run.get('heartbeat_at') or 0):.0f}; attempts "
+        t.add_row("worker", f"{run.get('worker')} (last heartbeat {_ago(run.get('heartbeat_at'))}; attempts "
                             f"{run.get('attempts')}, restarts {run.get('restarts')})")
     for k in ("exit_code", "duration_s", "error", "restart_reason", "run_dir", "log_path"):
         if run.get(k) not in (None, ""):

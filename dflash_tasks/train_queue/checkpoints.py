@@ -20,6 +20,15 @@ log = logging.getLogger(__name__)
 _STEP = re.compile(r"step_?(\d+)")
 
 
+def _step(name: str) -> int | None:
+    found = _STEP.search(name)
+    return int(found.group(1)) if found else None
+
+
+def _by_step(checkpoint: dict) -> tuple:
+    return checkpoint["step"] is None, checkpoint["step"] or 0, checkpoint["name"]
+
+
 def listed(directory: Path) -> list[dict]:
     """The finished checkpoints under `directory`, oldest step first."""
     if not directory.is_dir():
@@ -28,10 +37,8 @@ def listed(directory: Path) -> list[dict]:
     for entry in directory.iterdir():
         if entry.name.startswith(".") or "tmp" in entry.name or entry.name.endswith(".partial"):
             continue
-        step = _STEP.search(entry.name)
-        out.append({"name": entry.name, "path": str(entry),
-                    "step": int(step.group(1)) if step else None})
-    return sorted(out, key=lambda c: (c["step"] is None, c["step"] or 0, c["name"]))
+        out.append({"name": entry.name, "path": str(entry), "step": _step(entry.name)})
+    return sorted(out, key=_by_step)
 
 
 def s3_prefix(job: str, run: str) -> str:
@@ -72,6 +79,6 @@ def upload_new(storage: S3Storage | None, job: str, run: str, directory: Path,
                             ckpt["name"], exc)
         ckpt["uri"] = uploaded.get(ckpt["name"])
     names = {c["name"] for c in found}
-    gone = [{"name": n, "path": None, "step": int(m.group(1)) if (m := _STEP.search(n)) else None,
-             "uri": uri} for n, uri in uploaded.items() if n not in names]
-    return sorted(gone + found, key=lambda c: (c["step"] is None, c["step"] or 0, c["name"]))
+    gone = [{"name": n, "path": None, "step": _step(n), "uri": uri}
+            for n, uri in uploaded.items() if n not in names]
+    return sorted(gone + found, key=_by_step)

@@ -23,10 +23,12 @@ log = logging.getLogger(__name__)
 
 
 def beat(r: redis.Redis, s: Settings, send) -> None:
-    """Every beat tick: launch, send again, queue again (each a compare-and-set per run)."""
-    launch_ready(r, send)
-    send_unsent(r, send)
-    requeue_lost(r, s, send)
+    """Every beat tick: launch, send again, queue again (each a compare-and-set per run), over
+    the unfinished runs read once."""
+    active = [run for name in runs.names(r) if (run := runs.load(r, name)) and not run.final]
+    launch_ready(r, active, send)
+    send_unsent(r, active, send)
+    requeue_lost(r, s, active, send)
 
 
 def shipped_rows(r: redis.Redis, job: str) -> int:
@@ -42,12 +44,12 @@ def is_ready(r: redis.Redis, run: runs.Run) -> bool:
     return run.trigger == "min-rows" and shipped_rows(r, run.job) >= run.min_rows
 
 
-def launch_ready(r: redis.Redis, send) -> list[str]:
+def launch_ready(r: redis.Redis, candidates: list[runs.Run], send) -> list[str]:
     """Queue every waiting run whose trigger holds; returns their names."""
     launched = []
-    for name in runs.names(r):
-        run = runs.load(r, name)
-        if run is None or run.status != runs.WAITING or not is_ready(r, run):
+    for run in candidates:
+        name = run.run
+        if run.status != runs.WAITING or not is_ready(r, run):
             continue
         if runs.transition(r, name, (runs.WAITING,), runs.QUEUED, queued_at=time.time()):
             send(name)
@@ -57,12 +59,12 @@ def launch_ready(r: redis.Redis, send) -> list[str]:
     return launched
 
 
-def send_unsent(r: redis.Redis, send) -> list[str]:
+def send_unsent(r: redis.Redis, candidates: list[runs.Run], send) -> list[str]:
     """Send the message of each run a stopping worker handed back (runs.mark_unsent)."""
     sent = []
-    for name in runs.names(r):
-        run = runs.load(r, name)
-        if run and run.status == runs.QUEUED and run.get("unsent") and runs.claim_unsent(r, name):
+    for run in candidates:
+        name = run.run
+        if run.status == runs.QUEUED and run.get("unsent") and runs.claim_unsent(r, name):
             send(name)
             sent.append(name)
             log.info("training run %s: handed back by a stopping worker: sent to the training "
@@ -70,14 +72,14 @@ def send_unsent(r: redis.Redis, send) -> list[str]:
     return sent
 
 
-def requeue_lost(r: redis.Redis, s: Settings, send) -> list[str]:
+def requeue_lost(r: redis.Redis, s: Settings, candidates: list[runs.Run], send) -> list[str]:
     """Queue again the running runs whose heartbeat stopped (their worker died: killed, or its
     node lost); past train_max_restarts, fail them. Returns the names queued again."""
     now = runs.redis_now(r)
     queued = []
-    for name in runs.names(r):
-        run = runs.load(r, name)
-        if run is None or run.status != runs.RUNNING:
+    for run in candidates:
+        name = run.run
+        if run.status != runs.RUNNING:
             continue
         beat_at = float(run.get("heartbeat_at") or 0)
         if now - beat_at < s.train_stale_s:
