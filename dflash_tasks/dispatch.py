@@ -90,6 +90,24 @@ def _origin() -> str:
     return anon_nodename()
 
 
+def withdraw(r: redis.Redis, job: str, gpu: int, *, everything: bool) -> int:
+    """Remove `job`'s queued messages from `gpu`'s queue and put their prompts back in front of
+    pending; with `everything` (a GPU the job no longer uses), also the prompts whose messages a
+    worker already holds. Requests already running finish either way (the ledger keeps one row).
+    Returns how many prompts went back."""
+    from .connections import ledger
+
+    queue = queue_for(gpu)
+    withdrawn = []
+    for raw in r.lrange(queue, 0, -1):
+        job_of, prompt_id = _job_and_id(raw)
+        if job_of == job and r.lrem(queue, 1, raw):
+            withdrawn.append(prompt_id)
+    book = ledger()
+    back = book.recall(job, gpu, withdrawn) if withdrawn else 0
+    return back + (book.recall(job, gpu) if everything else 0)
+
+
 def reap(app: Celery, job: str, gpu: int, older_than_s: float) -> int:
     """Dispatch again the prompts in flight on `gpu` whose message is gone; returns how many.
 

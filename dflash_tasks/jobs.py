@@ -9,8 +9,7 @@ from dataclasses import asdict, dataclass, fields
 import redis
 
 from .keys import JOBS, JobKeys, check_job_name
-
-STATUSES = ("running", "paused", "cancelled", "done")
+from .lifecycle import STATES as STATUSES
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +85,7 @@ def set_status(r: redis.Redis, name: str, status: str) -> None:
 
 
 def names(r: redis.Redis) -> list[str]:
-    return sorted(m.decode() for m in r.smembers(JOBS))
+    return sorted(m.decode(errors="replace") for m in r.smembers(JOBS))
 
 
 def update_params(r: redis.Redis, name: str, **changes) -> tuple[GenerationParams, GenerationParams]:
@@ -101,16 +100,27 @@ def update_params(r: redis.Redis, name: str, **changes) -> tuple[GenerationParam
 
 
 def cancel(r: redis.Redis, name: str) -> int:
-    """Mark the job cancelled and drop its pending prompts (in-flight ones finish and are kept).
-    Dropped prompts leave the job entirely, so enqueueing the dataset again brings them back.
-    Returns how many were dropped."""
-    k = JobKeys(name)
+    """Mark the job cancelled: nothing more is dispatched (take.lua), its messages still queued
+    are withdrawn, requests already running finish and are kept. The prompts not generated stay
+    in the job, counted in its total, so `resume` finishes them all. Returns how many wait."""
+    from .dispatch import withdraw
+
     set_status(r, name, "cancelled")  # first: take.lua dispatches nothing from now on
-    dropped = 0
-    while ids := r.lpop(k.pending, 1000):
-        pipe = r.pipeline()
-        pipe.hdel(k.prompts, *ids)
-        pipe.hincrby(k.counters, "total", -len(ids))
-        pipe.execute()
-        dropped += len(ids)
-    return dropped
+    job = load(r, name)
+    for gpu in range(job.gpus if job else 0):
+        withdraw(r, name, gpu, everything=False)
+    return int(r.llen(JobKeys(name).pending))
+
+
+def delete(r: redis.Redis, name: str) -> int:
+    """Remove every Redis key of the job and its name; batches already shipped stay where they
+    are. Returns how many keys were removed."""
+    k = JobKeys(check_job_name(name))
+    keys = [k.config, k.prompts, k.pending, k.done, k.failed, k.failures, k.counters, k.rate,
+            k.output, k.sealing, k.manifest, k.flush_lock, k.tick_lock, k.storage_error,
+            *(key.decode() for key in r.scan_iter(match=k.inflight_pattern, count=1000))]
+    pipe = r.pipeline()
+    pipe.delete(*keys)
+    pipe.srem(JOBS, name)
+    removed, _ = pipe.execute()
+    return int(removed)

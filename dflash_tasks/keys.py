@@ -52,6 +52,10 @@ class JobKeys:
         return self._k(f"inflight:{gpu}")
 
     @property
+    def inflight_pattern(self) -> str:  # SCAN pattern of every GPU's in-flight set
+        return self._k("inflight:*").replace("{", "\\{").replace("}", "\\}")
+
+    @property
     def done(self) -> str:        # set: ids whose row is in the output
         return self._k("done")
 

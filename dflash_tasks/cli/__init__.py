@@ -20,6 +20,7 @@ COMMANDS = {
     "pause": "dflash_tasks.cli.jobs:pause",
     "resume": "dflash_tasks.cli.jobs:resume",
     "cancel": "dflash_tasks.cli.jobs:cancel",
+    "delete": "dflash_tasks.cli.jobs:delete",
     "set": "dflash_tasks.cli.jobs:set_params",
     "stats": "dflash_tasks.cli.stats:stats",
     "regenerate": "dflash_tasks.cli.regenerate:regenerate",

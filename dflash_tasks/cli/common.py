@@ -5,7 +5,7 @@ import click
 import redis
 from rich.console import Console
 
-from .. import jobs
+from .. import jobs, lifecycle
 from ..settings import get_settings, redact_url
 
 console = Console()
@@ -34,3 +34,12 @@ def job_or_fail(r: redis.Redis, name: str) -> jobs.Job:
         known = ", ".join(jobs.names(r)) or "none"
         raise click.ClickException(f"no job named {name!r} (known jobs: {known})")
     return job
+
+
+def allowed_or_fail(command: str, job: jobs.Job) -> str:
+    """The state `command` leaves the job in; a refusal (exit 1) names the state and what to run
+    instead, and nothing has changed."""
+    try:
+        return lifecycle.check(command, job.name, job.status)
+    except lifecycle.LifecycleError as exc:
+        raise click.ClickException(str(exc)) from None

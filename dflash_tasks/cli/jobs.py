@@ -1,11 +1,12 @@
-"""Steering a job while it runs: list jobs, pause, resume, cancel, change its parameters."""
+"""Steering a job while it runs: list jobs, pause, resume, cancel, delete, change its parameters.
+Each command asks the lifecycle (dflash_tasks.lifecycle) whether the job's state allows it."""
 from __future__ import annotations
 
 import click
 from rich.table import Table
 
 from .. import jobs
-from .common import console, job_or_fail, redis_or_fail
+from .common import allowed_or_fail, console, job_or_fail, redis_or_fail
 
 
 @click.command("jobs")
@@ -28,7 +29,7 @@ def list_jobs() -> None:
 def pause(name: str) -> None:
     """Stop dispatching the job's prompts; requests in flight finish and are kept."""
     r = redis_or_fail()
-    job_or_fail(r, name)
+    allowed_or_fail("pause", job_or_fail(r, name))
     jobs.set_status(r, name, "paused")
     console.print(f"job {name}: paused (requests in flight finish; `resume` continues)")
 
@@ -42,6 +43,7 @@ def resume(name: str) -> None:
 
     r = redis_or_fail()
     job = job_or_fail(r, name)
+    allowed_or_fail("resume", job)
     jobs.set_status(r, name, "running")
     sent = sum(dispatch.topup(app, name, gpu) for gpu in range(job.gpus))
     console.print(f"job {name}: running ({sent} prompts dispatched now)")
@@ -49,14 +51,15 @@ def resume(name: str) -> None:
 
 @click.command()
 @click.option("--job", "name", required=True)
-@click.confirmation_option(prompt="Drop every pending prompt of this job?")
+@click.confirmation_option(prompt="Cancel this job? Nothing more is dispatched (resume can finish it later)")
 def cancel(name: str) -> None:
-    """Drop the job's pending prompts and mark it cancelled; rows already made are kept."""
+    """Stop dispatching the job for good; rows already made are kept, and the prompts never
+    generated stay counted (`resume` finishes them, `delete` removes the job)."""
     r = redis_or_fail()
-    job_or_fail(r, name)
-    dropped = jobs.cancel(r, name)
-    console.print(f"job {name}: cancelled, {dropped:,} pending prompts dropped "
-                  "(enqueue the dataset again to bring them back)")
+    allowed_or_fail("cancel", job_or_fail(r, name))
+    never = jobs.cancel(r, name)
+    console.print(f"job {name}: cancelled; {never:,} prompts were never generated "
+                  f"(`manage.py resume --job {name}` generates them, `delete` removes the job)")
 
 
 @click.command("set")
@@ -70,7 +73,7 @@ def set_params(name: str, max_output_tokens, temperature, top_p, top_k, thinking
     """Change the job's generation parameters for every prompt not yet sent to a server,
     without stopping workers or servers."""
     r = redis_or_fail()
-    job_or_fail(r, name)
+    allowed_or_fail("set", job_or_fail(r, name))
     try:
         old, new = jobs.update_params(r, name, max_tokens=max_output_tokens, temperature=temperature,
                                       top_p=top_p, top_k=top_k, enable_thinking=thinking)
@@ -80,3 +83,15 @@ def set_params(name: str, max_output_tokens, temperature, top_p, top_k, thinking
         before, after = getattr(old, field), getattr(new, field)
         mark = "  (changed)" if before != after else ""
         console.print(f"{field:16} {before} -> {after}{mark}")
+
+
+@click.command()
+@click.option("--job", "name", required=True)
+@click.confirmation_option(prompt="Remove this job and all its prompts from Redis?")
+def delete(name: str) -> None:
+    """Remove a job (not running) and every Redis key it has; batches already shipped stay in
+    the output directory or bucket."""
+    r = redis_or_fail()
+    allowed_or_fail("delete", job_or_fail(r, name))
+    removed = jobs.delete(r, name)
+    console.print(f"job {name}: deleted ({removed} Redis keys); its shipped batches are kept")

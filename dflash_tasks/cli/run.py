@@ -10,9 +10,9 @@ from rich.live import Live
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .. import jobs
+from .. import jobs, lifecycle
 from ..settings import get_settings
-from .common import console, err_console, job_or_fail, redis_or_fail
+from .common import allowed_or_fail, console, err_console, job_or_fail, redis_or_fail
 
 
 # -- enqueue ------------------------------------------------------------------------------------
@@ -46,6 +46,8 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
         raise click.BadParameter(str(exc), param_hint="--job") from None
     r = redis_or_fail()
     existing = jobs.load(r, name)
+    if existing is not None:
+        allowed_or_fail("enqueue", existing)
     base = existing.params if existing else jobs.GenerationParams()
     try:
         params = base.replace(max_tokens=max_output_tokens, temperature=temperature, top_p=top_p,
@@ -56,8 +58,11 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
         len([q for q in r.hkeys(WORKERS) if q.startswith(b"gpu")]) or 1
 
     summary = ReadSummary()
-    # Paused while loading, so workers never race ahead of a half-stored job.
-    job = jobs.save(r, name, params, gpus=gpus, dataset=str(dataset), status="paused")
+    # A new job is `loading` until its whole dataset is stored (take.lua dispatches nothing), and
+    # is removed again if the dataset cannot be read to its end. A resumed job keeps its state
+    # and parameters until then.
+    if existing is None:
+        jobs.save(r, name, params, gpus=gpus, dataset=str(dataset), status=lifecycle.LOADING)
     # Chunks are stored by a sender thread while the next ones are read; on a resume only the
     # prompts the job does not know yet are encoded and sent (loader.py).
     loader = PromptLoader(r, ledger(), name, resume=existing is not None)
@@ -69,17 +74,34 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
             task = bar.add_task(dataset.name, total=None)
             added = loader.add_all(prompts, chunk=CHUNK,
                                    progress=lambda n: bar.update(task, advance=n))
-    except DatasetError as exc:
-        loader.close()  # what was read before the error is stored, as a resume would
-        jobs.set_status(r, name, existing.status if existing else "paused")
-        raise click.ClickException(str(exc)) from None
-    except BaseException:
+        if summary.valid == 0:
+            first = f"; first problem: {summary.bad[0].reason}" if summary.bad else ""
+            raise DatasetError(f"{dataset}: no valid prompt ({summary.rows:,} rows read, "
+                               f"{len(summary.bad):,} malformed{first})")
+    except BaseException as exc:
         loader.abandon()
+        if existing is None:
+            jobs.delete(r, name)
+        elif loader.added:
+            err_console.print(f"[yellow]job {name}: {loader.added:,} new prompts were stored "
+                              "before the error; enqueueing the fixed dataset again adds the rest[/]")
+        if isinstance(exc, DatasetError):
+            raise click.ClickException(f"{exc} (job {name} "
+                                       f"{'not created' if existing is None else 'unchanged'})") from None
         raise
 
-    jobs.set_status(r, name, "running")
-    for gpu in range(gpus):
-        dispatch.topup(app, name, gpu)
+    state = lifecycle.RUNNING if existing is None or (existing.status == lifecycle.DONE and added) \
+        else existing.status
+    job = jobs.save(r, name, params, gpus=gpus, dataset=str(dataset), status=state)
+    if existing is not None and gpus < existing.gpus:
+        back = sum(dispatch.withdraw(r, name, gpu, everything=True) for gpu in range(gpus, existing.gpus))
+        console.print(f"job {name}: now on gpu0..gpu{gpus - 1}; {back:,} prompts in flight on "
+                      f"gpu{gpus}..gpu{existing.gpus - 1} went back to pending")
+    if state == lifecycle.RUNNING:
+        for gpu in range(gpus):
+            dispatch.topup(app, name, gpu)
+    elif existing is not None and existing.status == lifecycle.PAUSED:
+        err_console.print(f"job {name} stays paused: `manage.py resume --job {name}` dispatches it")
     _print_enqueue_summary(r, job, summary, added, params, gpus)
     if follow:
         _watch(r, name, until_done=True)

@@ -34,7 +34,7 @@ class Ledger:
         self.r = client
         self._scripts = {name: client.register_script((_HERE / f"{name}.lua").read_text())
                          for name in ("add_prompts", "take", "complete", "fail", "record_batch",
-                                      "retry", "requeue_failed", "reopen")}
+                                      "retry", "requeue_failed", "reopen", "recall")}
 
     # -- enqueue ---------------------------------------------------------------------------------
 
@@ -77,6 +77,11 @@ class Ledger:
             keys=[k.done, k.prompts, k.pending, k.counters],
             args=[row["id"], entry_json, int(meta["prompt_tokens"]), out, meta["finish_reason"],
                   meta["gpu"], out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, continued_tokens]))
+
+    def recall(self, job: str, gpu: int, ids: Sequence[str] = ()) -> int:
+        """Put prompts in flight on `gpu` (`ids`, or all) back in front of pending (recall.lua)."""
+        k = JobKeys(job)
+        return int(self._scripts["recall"](keys=[k.inflight(gpu), k.pending, k.done], args=list(ids)))
 
     def drop_inflight(self, job: str, gpu: int, prompt_id: str) -> None:
         self.r.zrem(JobKeys(job).inflight(gpu), prompt_id)

@@ -118,18 +118,29 @@ def _settled(r, job: jobs.Job) -> bool:
     return not any(pipe.execute())
 
 
+def _each_job(r, work) -> None:
+    """work(job) for every job; one job's trouble (a bad name in dflash:jobs, a corrupt config,
+    a failing tick) is logged and the others go on."""
+    for name in jobs.names(r):
+        try:
+            job = jobs.load(r, name)
+            if job is not None:
+                work(job)
+        except LockLost as exc:
+            log.warning("job %s: tick stopped: %s", name, exc)
+        except Exception:
+            log.exception("job %s: skipped this time", name)
+
+
 @app.task(name="dflash_tasks.tick", ignore_result=True)
 def tick() -> None:
     r = redis_client()
-    for name in jobs.names(r):
-        job = jobs.load(r, name)
-        if job and (job.status in ACTIVE or job.status == "cancelled" and not _settled(r, job)):
-            try:
-                tick_job(name)
-            except LockLost as exc:
-                log.warning("job %s: tick stopped: %s", name, exc)
-            except Exception:  # one job's trouble must not stop the others' progress.json
-                log.exception("job %s: tick failed", name)
+
+    def tick_if_active(job: jobs.Job) -> None:
+        if job.status in ACTIVE or job.status == "cancelled" and not _settled(r, job):
+            tick_job(job.name)
+
+    _each_job(r, tick_if_active)
     try:
         launch.beat(r, get_settings(), send_training)
     except Exception:
@@ -139,13 +150,15 @@ def tick() -> None:
 @app.task(name="dflash_tasks.maintain", ignore_result=True)
 def maintain() -> None:
     r, s = redis_client(), get_settings()
-    for name in jobs.names(r):
-        job = jobs.load(r, name)
-        if not job or job.status != "running":
-            continue
+
+    def keep_windows_full(job: jobs.Job) -> None:
+        if job.status != "running":
+            return
         for gpu in range(job.gpus):
-            reaped = dispatch.reap(app, name, gpu, s.reap_after_s)
+            reaped = dispatch.reap(app, job.name, gpu, s.reap_after_s)
             if reaped:
                 log.warning("job %s gpu%d: %d prompts dispatched again (no outcome after %ds)",
-                            name, gpu, reaped, s.reap_after_s)
-            dispatch.topup(app, name, gpu)
+                            job.name, gpu, reaped, s.reap_after_s)
+            dispatch.topup(app, job.name, gpu)
+
+    _each_job(r, keep_windows_full)
