@@ -261,8 +261,10 @@ def test_permanent_failures_are_registered_at_once_and_retry_failed_is_idempoten
     text = c.manage("failed", "--job", "perm").stdout
     assert "invalid_request (permanent): 6 prompts" in text and "retry-failed --job perm" in text
 
-    # Lower max tokens so the long prompts fit. The job stays done (nothing runs) until
-    # retry-failed gives it work again.
+    # Lower max tokens so the long prompts fit. The job stays done until retry-failed gives it
+    # work again; the worker is stopped so nothing runs while retry-failed is checked for
+    # idempotency (a done job cannot be paused).
+    c.workers.pop(0).stop()
     c.manage("set", "--job", "perm", "--max-output-tokens", "2048")
     assert c.status("perm")["status"] == "done"
     assert "is done" in c.manage("pause", "--job", "perm", check=False).stderr
@@ -273,7 +275,11 @@ def test_permanent_failures_are_registered_at_once_and_retry_failed_is_idempoten
     assert first["requeued"] == len(bad) and first["by_reason"] == {"invalid_request": len(bad)}
     assert second["requeued"] == 0
     assert first["status"] == "running"  # a done job with work again runs
-    assert c.status("perm")["failed"] == 0
+    waiting = {m.decode() for m in c.r.lrange("dflash:{perm}:pending", 0, -1)} | \
+        {m.decode() for m in c.r.zrange("dflash:{perm}:inflight:0", 0, -1)}
+    assert waiting == bad                            # each once, nothing else
+    assert c.status("perm")["failed"] == 0 and failed_registry(c, "perm") == {}
+    c.start_worker(0)
     c.wait_done("perm", timeout=120)
     ok = {r["id"] for r in good + long_ok_later}
     again = {"huge"} | set(malformed)
