@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import write_jsonl
 from s3support import BUCKET, s3_cluster
 from support import ROOT, wait_until
@@ -205,3 +207,19 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("trigger", [[], ["--after-done"], ["--min-rows", "10"]])
+def test_train_prints_its_run_for_every_trigger(tmp_path, redis_url, trigger):
+    """The README's three forms, without --json: each creates one run and says when it starts
+    (the message used to format min_rows when it was None, after the run was created)."""
+    from conftest import Cluster, write_jsonl
+
+    c = Cluster(tmp_path, redis_url)
+    data = write_jsonl(tmp_path / "d.jsonl",
+                       [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}])
+    c.manage("enqueue", "--dataset", str(data), "--job", "tj")
+    out = c.manage("train", "--job", "tj", "--trainer", "command", "--command", "true {data_path}",
+                   *trigger)
+    assert "training run" in out.stdout and "tj-train-1" in out.stdout, out.stdout
+    assert c.r.zcard("dflash:train:runs") == 1

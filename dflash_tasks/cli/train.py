@@ -95,10 +95,14 @@ def train(job: str, after_done: bool, min_rows: int | None, trainer: str, comman
     if as_json:
         click.echo(json.dumps(run.as_dict(), indent=1))
         return
-    when = {"now": "queued for the training workers",
-            "after-done": f"waiting for job {job} to be done; beat queues it then",
-            "min-rows": f"waiting for {min_rows:,} shipped rows of job {job}; beat queues it then"}
-    console.print(f"training run [bold]{run.run}[/] ({trainer} trainer): {when[trigger]}.\n"
+    # Only the message of this trigger is formatted: min_rows is None for the other two.
+    if trigger == "now":
+        when = "queued for the training workers"
+    elif trigger == "after-done":
+        when = f"waiting for job {job} to be done; beat queues it then"
+    else:
+        when = f"waiting for {min_rows:,} shipped rows of job {job}; beat queues it then"
+    console.print(f"training run [bold]{run.run}[/] ({trainer} trainer): {when}.\n"
                   f"  a training worker runs it: python manage.py worker --queue train\n"
                   f"  follow it: python manage.py train-status --run {run.run}", highlight=False)
 
