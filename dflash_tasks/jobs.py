@@ -116,9 +116,7 @@ def delete(r: redis.Redis, name: str) -> int:
     """Remove every Redis key of the job and its name; batches already shipped stay where they
     are. Returns how many keys were removed."""
     k = JobKeys(check_job_name(name))
-    keys = [k.config, k.prompts, k.pending, k.done, k.failed, k.failures, k.counters, k.rate,
-            k.output, k.sealing, k.manifest, k.flush_lock, k.tick_lock, k.storage_error,
-            *(key.decode() for key in r.scan_iter(match=k.inflight_pattern, count=1000))]
+    keys = [k.config, *(key for key in r.scan_iter(match=k.every_key, count=1000))]
     pipe = r.pipeline()
     pipe.delete(*keys)
     pipe.srem(JOBS, name)

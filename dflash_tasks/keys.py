@@ -52,8 +52,8 @@ class JobKeys:
         return self._k(f"inflight:{gpu}")
 
     @property
-    def inflight_pattern(self) -> str:  # SCAN pattern of every GPU's in-flight set
-        return self._k("inflight:*").replace("{", "\\{").replace("}", "\\}")
+    def every_key(self) -> str:   # SCAN pattern of every key of the job (they share its hash tag)
+        return self._k("*").replace("{", "\\{").replace("}", "\\}")
 
     @property
     def done(self) -> str:        # set: ids whose row is in the output

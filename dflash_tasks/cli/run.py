@@ -85,9 +85,12 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
         elif loader.added:
             err_console.print(f"[yellow]job {name}: {loader.added:,} new prompts were stored "
                               "before the error; enqueueing the fixed dataset again adds the rest[/]")
+            if existing.status == lifecycle.DONE:  # a done job has every prompt answered
+                jobs.set_status(r, name, lifecycle.RUNNING)
         if isinstance(exc, DatasetError):
-            raise click.ClickException(f"{exc} (job {name} "
-                                       f"{'not created' if existing is None else 'unchanged'})") from None
+            what = "not created" if existing is None else \
+                f"kept its {loader.added:,} new prompts" if loader.added else "unchanged"
+            raise click.ClickException(f"{exc} (job {name} {what})") from None
         raise
 
     state = lifecycle.RUNNING if existing is None or (existing.status == lifecycle.DONE and added) \
