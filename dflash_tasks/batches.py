@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -86,6 +87,32 @@ def progress_key(job: str) -> str:
 def batch_name(first_entry_id: str) -> str:
     ms, seq = first_entry_id.split("-")
     return f"batch-{int(ms):013d}-{int(seq):04d}"
+
+
+# The only names batch_name produces (a stream id's milliseconds and sequence number).
+_BATCH_NAME = re.compile(r"batch-\d{13}-\d{4,}")
+
+
+class BadManifest(ValueError):
+    """A manifest entry that sealing could not have written; the message names it."""
+
+
+def check_records(job: str, records, where: str) -> list[dict]:
+    """The manifest's batch records, each checked to be one sealing writes: a name batch_name
+    produces and the key batch_key gives it. A manifest is data (from a bucket or a Redis that
+    others write to): a name like `../../x` would otherwise become a path outside where a
+    reader writes or reads. Raises BadManifest naming the first bad entry."""
+    if not isinstance(records, list):
+        raise BadManifest(f"{where}: 'batches' is not a list")
+    for i, rec in enumerate(records):
+        name = rec.get("name") if isinstance(rec, dict) else None
+        if not isinstance(name, str) or not _BATCH_NAME.fullmatch(name):
+            raise BadManifest(f"{where}: batch entry {i} has the name {name!r}, which sealing "
+                              "never writes (batch-<13 digits>-<4 digits>): refused")
+        if rec.get("key") != batch_key(job, name):
+            raise BadManifest(f"{where}: batch entry {i} ({name}) has the key "
+                              f"{rec.get('key')!r}, not {batch_key(job, name)!r}: refused")
+    return records
 
 
 def latency_bucket(latency_s: float) -> int:

@@ -43,7 +43,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .batches import progress_key, read_batch
 from .storage import LocalStorage, Storage, StorageNotFound
 from .training_data.gate import Rules, check_row
-from .training_data.reader import NoManifest, job_storage, manifest_records
+from .training_data.reader import InvalidManifest, NoManifest, job_storage, manifest_records
 from .training_data.tokens import ChatTemplate, TokenizeError, tokenize_row
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,8 @@ class JobDataset(IterableDataset):
     def _records(self, storage: Storage) -> list[dict]:
         try:
             return manifest_records(storage, self.job)
+        except InvalidManifest:
+            raise  # waiting would not make it valid
         except NoManifest:
             if self.follow:
                 return []  # nothing shipped yet

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .batches import manifest_key, progress_key, verify_batch
+from .batches import BadManifest, check_records, manifest_key, progress_key, verify_batch
 from .storage import LocalStorage, Storage, StorageNotFound
 
 _ID = re.compile(rb'^\{"id":("(?:[^"\\]|\\.)*")')
@@ -67,8 +67,14 @@ def export(storage: Storage, job: str, dest: Path, *, expected: int | None = Non
     except StorageNotFound:
         raise ExportError(f"no manifest at {storage.location(manifest_key(job))}: nothing was "
                           "shipped for this job yet, or the location is wrong") from None
-    manifest = json.loads(raw_manifest)
-    records = manifest.get("batches", [])
+    where = storage.location(manifest_key(job))
+    try:
+        manifest = json.loads(raw_manifest)
+        # Every entry checked before the first write: a bad one leaves nothing behind.
+        records = check_records(job, manifest.get("batches", []), where)
+    except (ValueError, AttributeError) as exc:
+        raise ExportError(str(exc) if isinstance(exc, BadManifest)
+                          else f"{where}: not a manifest ({exc})") from None
     names = [rec["name"] for rec in records]
     if len(set(names)) != len(names):
         raise ExportError("the manifest lists a batch twice")

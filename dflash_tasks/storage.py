@@ -45,8 +45,16 @@ class LocalStorage:
     def __init__(self, root: Path):
         self.root = Path(root)
 
-    def put(self, key: str, data: bytes) -> None:
+    def _path(self, key: str) -> Path:
+        """root/key, refused when it leads outside root (a key built from stored data). Checked
+        on the path's text, so a root holding symlinked directories keeps working."""
         path = self.root / key
+        if os.path.isabs(key) or os.path.normpath(key).split(os.sep)[0] in ("..", ""):
+            raise StorageError(f"{path}: the key {key!r} leads outside {self.root}: refused")
+        return path
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
@@ -61,7 +69,7 @@ class LocalStorage:
 
     def get(self, key: str) -> bytes:
         try:
-            return (self.root / key).read_bytes()
+            return self._path(key).read_bytes()
         except FileNotFoundError:
             raise StorageNotFound(f"{self.location(key)}: no such file") from None
 

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 from ..storage import Storage
 from .gate import REASONS, Report, Rules, Thresholds, check_row
-from .reader import NewestRows
+from .reader import NewestRows, job_storage, manifest_records
 from .tokens import ChatTemplate, Tokenized, TokenizeError, compare, from_server_ids, tokenize_row
 
 FORMATS = ("specforge-conversations", "specforge-tokenized", "parquet")
@@ -43,7 +43,8 @@ class Checked:
 def checked_rows(storage: Storage, job: str, report: Report, *, template: ChatTemplate | None = None,
                  compare_rows: int = 1000, limit: int | None = None,
                  on_batch: Callable[[dict], None] | None = None,
-                 on_duplicate: Callable[[dict], None] | None = None) -> Iterator[Checked]:
+                 on_duplicate: Callable[[dict], None] | None = None,
+                 records: list[dict] | None = None) -> Iterator[Checked]:
     """Every newest row of the job, tokenized (server ids first), checked and counted in
     `report`. With a template, up to `compare_rows` rows that have server ids are also rendered
     through the template, and disagreements counted (report.prompt_mismatch)."""
@@ -53,7 +54,8 @@ def checked_rows(storage: Storage, job: str, report: Report, *, template: ChatTe
         if on_duplicate:
             on_duplicate(row)
 
-    for row in NewestRows(storage, job, on_batch=on_batch, on_duplicate=duplicate, limit=limit):
+    for row in NewestRows(storage, job, records=records, on_batch=on_batch, on_duplicate=duplicate,
+                          limit=limit):
         try:
             tok = tokenize_row(row, template)
         except TokenizeError as exc:
@@ -177,6 +179,8 @@ def export_training(storage: Storage, job: str, fmt: str, dest: Path, rules: Rul
         raise ValueError(f"unknown format {fmt!r}: one of {', '.join(FORMATS)}")
     if fmt == "specforge-conversations":
         rules = replace(rules, require_tokens=False)  # SpecForge tokenizes these itself
+    storage = job_storage(storage, job)
+    records = manifest_records(storage, job)  # a bad manifest is refused before dest exists
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     report = Report(rules)
@@ -192,7 +196,7 @@ def export_training(storage: Storage, job: str, fmt: str, dest: Path, rules: Rul
                 dropped_f.write(json.dumps({"id": row.get("id"), "reason": "duplicate"}) + "\n")
 
             for item in checked_rows(storage, job, report, template=template, on_batch=on_batch,
-                                     on_duplicate=on_duplicate, compare_rows=0):
+                                     on_duplicate=on_duplicate, compare_rows=0, records=records):
                 if item.reason:
                     dropped_f.write(json.dumps({"id": item.row.get("id"), "reason": item.reason}) + "\n")
                     continue

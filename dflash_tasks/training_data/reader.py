@@ -14,12 +14,16 @@ from typing import Callable, Iterator
 
 from pathlib import Path
 
-from ..batches import read_batch, read_manifest
+from ..batches import BadManifest, check_records, manifest_key, read_batch, read_manifest
 from ..storage import LocalStorage, Storage, StorageNotFound
 
 
 class NoManifest(RuntimeError):
     pass
+
+
+class InvalidManifest(NoManifest):
+    """A manifest with an entry sealing could not have written (batches.check_records)."""
 
 
 class ExportedJob(LocalStorage):
@@ -61,7 +65,12 @@ def manifest_records(storage: Storage, job: str) -> list[dict]:
         raise NoManifest(f"no manifest for job {job!r} at {storage.location(job + '/manifest.json')}: "
                          "nothing shipped yet, or the wrong location (--from: the output "
                          "directory, an s3:// URI, or a directory written by manage.py export)") from None
-    return sorted(manifest.get("batches", []), key=lambda rec: rec["name"])
+    try:
+        records = check_records(job, manifest.get("batches", []),
+                                storage.location(manifest_key(job)))
+    except BadManifest as exc:
+        raise InvalidManifest(str(exc)) from None
+    return sorted(records, key=lambda rec: rec["name"])
 
 
 @dataclass
