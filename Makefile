@@ -1,4 +1,6 @@
-# Every target works on a fresh clone: `make install` builds .venv from the pinned requirements.
+# Every target works on a fresh clone: `make install` builds .venv from the pinned requirements
+# and installs the project into it (editable, no dependencies of its own: requirements.txt pins
+# them), so `manage.py` and `launch_node.py` are on .venv/bin and work from any directory.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -8,11 +10,12 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-specforge.txt
+$(STAMP): requirements.txt requirements-specforge.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-specforge.txt  # why: in that file
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
 test: install
