@@ -16,6 +16,10 @@ from conftest import write_jsonl
 from s3support import BUCKET, s3_cluster
 from support import ROOT, wait_until
 from test_training_data import good_row, six_token_row, write_batches
+from tokenizer_support import build_tokenizer
+
+from dflash_tasks.sim import tokens as sim
+from specforge.config import load_config
 
 # Short, varied lengths: every row finishes, none is short, no one length dominates.
 SIM_ARGS = ("--slots", "16", "--median-tokens", "120", "--p-over-4096", "0.001",
@@ -65,7 +69,7 @@ def test_command_trainer_after_done_uploads_its_checkpoint_and_records_failures(
     assert done["gate"]["passed"] and done["gate"]["rows"] == 40
     assert int(done["exit_code"]) == 0 and float(done["duration_s"]) > 0
     log = Path(done["log_path"]).read_text()
-    assert f"read {done['gate']['kept']} rows from conversations.jsonl" in log  # the export
+    assert f"read {done['gate']['kept']} rows from tokenized.jsonl" in log  # the export
     assert any("saved checkpoint" in line for line in done["log_tail"])
     [ckpt] = done["checkpoints"]
     assert ckpt["name"] == "step_5" and ckpt["step"] == 5
@@ -179,7 +183,7 @@ def test_train_rejects_bad_input_before_queueing(cluster, tmp_path):
     result = c.manage("train", "--job", "ok", "--config", str(bad_type), check=False)
     assert result.returncode == 2 and "block_size" in result.stderr
     result = c.manage("train", "--job", "ok", "--trainer", "command", check=False)
-    assert result.returncode == 2 and "{specforge_dir}, {target_model}" in result.stderr
+    assert result.returncode == 2 and "target_model: required" in result.stderr
     result = c.manage("train", "--job", "ok", "--trainer", "command",
                       "--command", "train --lr {lr}", check=False)
     assert result.returncode == 2 and "{lr}" in result.stderr
@@ -190,6 +194,73 @@ def test_train_rejects_bad_input_before_queueing(cluster, tmp_path):
                       "--command", "true", check=False)
     assert result.returncode == 1 and "no job named 'nope'" in result.stderr
     assert json.loads(c.manage("train-status", "--json").stdout) == []  # nothing was queued
+
+
+def plain_row(i: int) -> dict:
+    """A row generated with thinking off: the empty think block is in the prompt."""
+    row = good_row(i)
+    row["id"] = f"plain{i:04d}"
+    row["metadata"]["enable_thinking"] = False
+    row["conversations"][-1]["reasoning_content"] = None
+    answer = [int(w[1:]) for w in row["conversations"][-1]["content"].split()] + [sim.IM_END]
+    row["token_ids"] = {"prompt": sim.render_chat(row["conversations"][:1], False),
+                        "response": answer}
+    row["metadata"]["completion_tokens"] = len(answer)
+    return row
+
+
+def test_the_default_command_hands_specforge_the_tokenized_export(cluster, tmp_path):
+    """The default command: `specforge train --config <run_dir>/specforge.json`, the config
+    written from [command], read by SpecForge's own loaders (tests/fake_specforge.py)."""
+    c = cluster()
+    rows = [good_row(i) for i in range(30)]
+    write_batches(c.output_dir, "sf", rows)
+    write_batches(c.output_dir, "mixed", [good_row(i) for i in range(20)]
+                  + [plain_row(i) for i in range(20)])
+    fake = tmp_path / "bin" / "specforge"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'fake_specforge.py'} "
+                    '"$@"\n')
+    fake.chmod(0o755)
+    command = (f'[command]\ntarget_model = "{build_tokenizer(tmp_path / "tok")}"\n'
+               f'specforge_bin = "{fake}"\nlearning_rate = 3e-4\nepochs = 2\n')
+    config = write_text(tmp_path / "train.toml", GATE + command)
+    c.start_train_worker()
+    run = queue_run(c, "--job", "sf", "--trainer", "command", "--config", str(config))
+
+    done = wait_run(c, run, ("done", "failed", "refused"))
+    assert done["status"] == "done", done
+    run_dir = Path(done["run_dir"])
+    cfg = load_config(str(run_dir / "specforge.json"))
+    assert cfg.data.prompts_path == str(run_dir / "data" / "tokenized.jsonl")
+    assert (cfg.training.learning_rate, cfg.training.num_epochs) == (3e-4, 2)
+    assert cfg.output_dir == str(run_dir / "checkpoints") and cfg.run_id == f"{run}-a1"
+    seen = json.loads((run_dir / "seen.json").read_text())
+    ours = {r["id"]: r["token_ids"] for r in rows}
+    exported = [json.loads(x)["id"]
+                for x in (run_dir / "data" / "tokenized.jsonl").read_text().splitlines()]
+    assert len(seen) == len(exported) == 30
+    for rid, sample in zip(exported, seen):  # what SpecForge trains on is the server's ids
+        assert sample["input_ids"] == ours[rid]["prompt"] + ours[rid]["response"]
+        prompt, response = ours[rid]["prompt"], ours[rid]["response"]
+        assert sample["loss_mask"] == [0] * len(prompt) + [1] * len(response)
+    assert [ck["name"] for ck in done["checkpoints"]] == [f"{run}-a1-step5"]  # not the -latest link
+
+    # Conversations, asked for: the thinking job gets SpecForge's qwen3-thinking template and
+    # train_only_last_turn; a job mixing modes is refused, with the reason, before training.
+    conv = write_text(tmp_path / "conv.toml",
+                      GATE + command + 'format = "specforge-conversations"\n')
+    thinking = wait_run(c, queue_run(c, "--job", "sf", "--trainer", "command", "--config",
+                                     str(conv)), ("done", "failed", "refused"))
+    assert thinking["status"] == "done", thinking
+    cfg = load_config(str(Path(thinking["run_dir"]) / "specforge.json"))
+    assert (cfg.data.chat_template, cfg.data.train_only_last_turn) == ("qwen3-thinking", True)
+    assert cfg.data.train_data_path.endswith("conversations.jsonl") and not cfg.data.prompts_path
+    mixed = wait_run(c, queue_run(c, "--job", "mixed", "--trainer", "command", "--config",
+                                  str(conv)), ("done", "failed", "refused"))
+    assert mixed["status"] == "refused", mixed
+    assert "mixes thinking modes (20 rows with thinking, 20 without)" in mixed["error"]
+    assert not (Path(mixed["run_dir"]) / "checkpoints").exists()
 
 
 def write_text(path: Path, text: str) -> Path:

@@ -62,8 +62,8 @@ def _check_job(r, name: str, waits: bool) -> None:
                    "external trainer (SpecForge's CLI by default) on an export of the rows.")
 @click.option("--command", "command", metavar="TEMPLATE",
               help="The command trainer's command line, with {placeholders}: {data_path} "
-                   "{data_dir} {output_dir} {run_dir} {job} {run} and the [command] section's "
-                   "values [SpecForge's train_dflash.py].")
+                   "{data_dir} {output_dir} {run_dir} {job} {run} {config_path} and the "
+                   "[command] section's values [specforge train --config {config_path}].")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="TOML or JSON with [gate], [reference] and [command] sections "
                    "(docs/TRAINING.md).")

@@ -253,6 +253,17 @@ def export_format(name: str, dest: Path, source: str | None, *, fmt: str, tokeni
         t.add_row(f"dropped: {reason}", f"{count:,}  ({REASONS[reason]})")
     t.add_row("report", str(Path(dest) / "export_report.json") + ", dropped ids in "
               + str(Path(dest) / "dropped.jsonl"))
+    if fmt == "specforge-conversations" and out.kept:
+        from ..train_queue.specforge import HandoffError, template_for
+
+        try:
+            t.add_row("SpecForge", f"data.chat_template: {template_for(None, dict(out.thinking))}"
+                                   ", data.train_only_last_turn: true")
+        except HandoffError as exc:
+            err_console.print(f"[yellow]{exc}[/]")
+        if keep_truncated:
+            err_console.print("[yellow]truncated rows kept: SpecForge renders each with an "
+                              "end-of-turn token the model never generated, and trains on it[/]")
     console.print(t)
     if out.kept == 0:
         raise click.ClickException(f"no row of job {name} passed the rules: nothing to train on "

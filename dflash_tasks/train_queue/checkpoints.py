@@ -2,7 +2,7 @@
 
 A checkpoint is an entry (a directory, or a file) directly under the run's checkpoint
 directory: the reference trainer writes `step_00001000/` (renamed into place when complete),
-SpecForge writes `epoch_0_step_1000/`. Hidden entries and temporary names are a checkpoint
+SpecForge 0.2.0 writes `<run_id>-step1000/`. Hidden entries and temporary names are a checkpoint
 being written and are left alone.
 
 With DFLASH_S3_URI set, each goes to `<prefix>/<job>/training/<run>/checkpoints/<name>/...`,
@@ -36,6 +36,10 @@ def listed(directory: Path) -> list[dict]:
     out = []
     for entry in directory.iterdir():
         if entry.name.startswith(".") or "tmp" in entry.name or entry.name.endswith(".partial"):
+            continue
+        # SpecForge's <run_id>-latest/-best links name a checkpoint listed already, and its
+        # <run_id>.best_meta.json is bookkeeping: a file without a step is not a checkpoint.
+        if entry.is_symlink() or (entry.is_file() and _step(entry.name) is None):
             continue
         out.append({"name": entry.name, "path": str(entry), "step": _step(entry.name)})
     return sorted(out, key=_by_step)

@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +30,7 @@ import redis
 
 from .. import shutdown
 from ..batches import progress_key
+from ..keys import check_job_name
 from ..settings import Settings
 from ..storage import S3Storage, StorageError, storage_for
 from ..training.config import TrainConfig
@@ -59,8 +61,9 @@ class RunSession:
         self.publish_state = publish_state
         # Owns the run while running: a task id, or a unique token when run outside Celery.
         self.hostname, self.owner = hostname, task_id or f"{hostname}:{uuid.uuid4()}"
-        self.run_dir = settings.training_dir() / run.run
+        self.run_dir = _run_dir(settings.training_dir(), run)
         self.ckpt_dir = self.run_dir / "checkpoints"
+        self.attempt = 1
         self.storage = storage_for(settings)
         self.s3 = self.storage if isinstance(self.storage, S3Storage) else None
         self.uploaded: dict[str, str] = dict(run.get("uploaded") or {})
@@ -88,7 +91,7 @@ class RunSession:
             log.warning("training run %s is %s, not queued: not started (a second delivery?)",
                         self.name, status)
             return {"run": self.name, "status": status, "started": False}
-        self.r.hincrby(runs.train_run(self.name), "attempts", 1)
+        self.attempt = int(self.r.hincrby(runs.train_run(self.name), "attempts", 1))
         self.log = LogTail(self.run_dir / "train.log")
         heartbeat = threading.Thread(target=self._heartbeat, name="train-heartbeat", daemon=True)
         heartbeat.start()
@@ -124,6 +127,9 @@ class RunSession:
             config = TrainConfig.model_validate(self.run.spec.get("reference") or {})
             gate.setdefault("min_loss_tokens", config.min_loss_tokens)
             gate.setdefault("max_length", config.max_length)
+        elif "max_length" in (self.run.spec.get("command") or {}).get("values", {}):
+            # SpecForge cuts what is longer than data.max_length: the export drops it instead.
+            gate.setdefault("max_length", self.run.spec["command"]["values"]["max_length"])
         rules, thresholds = spec.gate_settings(gate)
         self.say(f"quality gate over job {self.run.job}'s shipped rows ...")
         try:
@@ -167,18 +173,34 @@ class RunSession:
 
     def train_command(self, rules) -> dict:
         from ..training_data.exports import export_training
+        from .specforge import CONFIG_FILE, HandoffError, template_for
 
         command = self.run.spec["command"]
         values = command["values"]
+        fmt = values["format"]
         data_dir = self.run_dir / "data"
+        if fmt == "specforge-conversations":
+            # SpecForge would close a truncated row with an end of turn it never generated.
+            rules = replace(rules, keep_truncated=bool(values.get("keep_truncated", False)))
         self.set_phase("export")
-        self.say(f"exporting job {self.run.job} as {values['format']} to {data_dir} ...")
-        out = export_training(self._job_storage(), self.run.job, values["format"], data_dir, rules,
+        self.say(f"exporting job {self.run.job} as {fmt} to {data_dir} ...")
+        out = export_training(self._job_storage(), self.run.job, fmt, data_dir, rules,
                               on_batch=lambda _rec: self.check_stop())
         self.say(f"exported {out.kept:,} rows to {out.path}")
+        chat_template = None
+        if fmt == "specforge-conversations":
+            try:
+                chat_template = template_for(values.get("chat_template"), dict(out.thinking))
+            except HandoffError as exc:
+                self.end(runs.REFUSED, error=str(exc))
+                raise TrainingError(f"training run {self.name} refused: {exc}") from None
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         run_values = {"data_path": out.path, "data_dir": data_dir, "output_dir": self.ckpt_dir,
-                      "run_dir": self.run_dir, "job": self.run.job, "run": self.name}
+                      "run_dir": self.run_dir, "job": self.run.job, "run": self.name,
+                      "config_path": self.run_dir / CONFIG_FILE}
+        if "{config_path}" in command["template"]:
+            self._write_specforge_config(values, fmt, out.path, chat_template,
+                                         run_values["config_path"])
         quoted = {k: shlex.quote(str(v)) for k, v in {**values, **run_values}.items()
                   if not isinstance(v, dict)}
         argv = shlex.split(spec.fill_command(command["template"], quoted, {}))
@@ -191,6 +213,30 @@ class RunSession:
         if result.stopped:
             outcome["stopped"] = result.stopped
         return outcome
+
+    def _write_specforge_config(self, values: dict, fmt: str, data_path: Path,
+                                chat_template: str | None, path: Path) -> None:
+        from . import specforge
+
+        # A run id per attempt: SpecForge deletes its own run id's checkpoints at or after the
+        # step it saves, and a warm-started attempt counts its steps from 0 again.
+        warm = specforge.newest_checkpoint(self.ckpt_dir)
+        config = specforge.run_config(values, fmt=fmt, data_path=data_path,
+                                      output_dir=self.ckpt_dir,
+                                      work_dir=self.run_dir / "specforge" / f"a{self.attempt}",
+                                      run_id=f"{self.name}-a{self.attempt}",
+                                      chat_template=chat_template, warm_start=warm)
+        specforge.write(config, path)
+        data = config["data"]
+        self.say(f"SpecForge run config {path}: "
+                 + (f"data.prompts_path {data['prompts_path']} (the project's own input_ids and "
+                    "loss_mask)" if "prompts_path" in data else
+                    f"data.train_data_path {data['train_data_path']}, chat_template "
+                    f"{data['chat_template']}, train_only_last_turn"))
+        if warm:
+            self.say(f"warm start from {warm}: its draft weights carry over; SpecForge 0.2.0 "
+                     "cannot resume an online run's optimizer and schedule without its Mooncake "
+                     "state, so those start again")
 
     def finish(self, outcome: dict, duration_s: float) -> dict:
         """Upload what the trainer left, then the run's final status (or back to the queue)."""
@@ -337,3 +383,17 @@ class RunSession:
             return json.loads(self._job_storage().get(progress_key(self.run.job)))
         except (StorageError, ValueError):
             return None
+
+
+def _run_dir(root: Path, run: runs.Run) -> Path:
+    """root/<run>, with the run's names as manage.py train checked them: the run comes from
+    Redis, which others write to, and its data/ and checkpoints/ must stay under root."""
+    for what, name in (("run", run.run), ("job", run.job)):
+        try:
+            check_job_name(str(name))
+        except ValueError as exc:
+            raise TrainingError(f"training run refused: its {what} name: {exc}") from None
+    path = root / run.run
+    if os.path.normpath(path).rsplit(os.sep, 1)[0] != os.path.normpath(root):
+        raise TrainingError(f"training run refused: {path} is not directly under {root}")
+    return path

@@ -9,11 +9,13 @@ queued, and stored in the run (the training node does not need the file).
     target_model = "/models/Qwen3-8B"
     block_size = 16
 
-    [command]     # --trainer command: values for the command template's {placeholders}
+    [command]     # --trainer command: SpecForge's run config, and the command's {placeholders}
     target_model = "/models/Qwen3-8B"
-    specforge_dir = "/opt/SpecForge"
-    format = "specforge-conversations"   # the export the command reads as {data_path}
-    env = { CUDA_VISIBLE_DEVICES = "0,1" }
+    nproc = 2                            # trainer ranks (GPUs 1-2; the capture server on GPU 0)
+    format = "specforge-tokenized"       # the export the run hands over, as {data_path}
+    env = { NCCL_DEBUG = "WARN" }
+    [command.specforge.training]         # any SpecForge config field, merged last
+    batch_size = 4
 
 JSON with the same three objects works too. Paths are paths on the training node.
 """
@@ -29,23 +31,21 @@ from ..training.config import TrainConfig, read_table
 from ..training_data.exports import FILES
 from ..training_data.gate import Rules, Thresholds
 
-# SpecForge's DFlash trainer (scripts/train_dflash.py) on the export; --resume continues from the
-# newest checkpoint in --output-dir, so a run handed back at a worker's shutdown picks up there.
-DEFAULT_COMMAND = (
-    "torchrun --standalone --nproc_per_node {nproc} {specforge_dir}/scripts/train_dflash.py "
-    "--target-model-path {target_model} --train-data-path {data_path} --output-dir {output_dir} "
-    "--block-size {block_size} --num-draft-layers {drafter_layers} "
-    "--num-anchors {anchors_per_sequence} --loss-decay-gamma {decay_gamma} "
-    "--learning-rate {learning_rate} --max-length {max_length} --num-epochs {epochs} "
-    "--chat-template {chat_template} --resume")
+# SpecForge 0.2.0's one public entry point, on a run config the run writes from [command]
+# (train_queue/specforge.py): the specforge-tokenized export as its data.prompts_path, so it
+# trains on exactly the project's input_ids and loss_mask.
+DEFAULT_COMMAND = "{specforge_bin} train --config {config_path}"
 
-# Values the default template needs that have a sensible default (SpecForge's own, mostly).
-COMMAND_DEFAULTS = {"nproc": 1, "block_size": 16, "drafter_layers": 1,
-                    "anchors_per_sequence": 512, "decay_gamma": 7.0, "learning_rate": 6e-4,
-                    "max_length": 4096, "epochs": 6, "chat_template": "qwen",
-                    "format": "specforge-conversations"}
+# Values the default command and its run config use, with their defaults (the DFlash recipe's:
+# SpecForge's own schema defaults differ, docs/TRAINING.md says which).
+COMMAND_DEFAULTS = {"specforge_bin": "specforge", "nproc": 1, "block_size": 16,
+                    "drafter_layers": 1, "anchors_per_sequence": 512, "decay_gamma": 7.0,
+                    "learning_rate": 6e-4,
+                    "max_length": 4096, "epochs": 6, "checkpoint_every": 1000,
+                    "capture_port": 30000, "chat_template": "auto",
+                    "format": "specforge-tokenized"}
 # Filled in by the training task for each run.
-RUN_PLACEHOLDERS = ("data_path", "data_dir", "output_dir", "run_dir", "job", "run")
+RUN_PLACEHOLDERS = ("data_path", "data_dir", "output_dir", "run_dir", "job", "run", "config_path")
 
 SECTIONS = ("gate", "reference", "command")
 _GATE_FIELDS = {f.name for f in fields(Rules)} | {f.name for f in fields(Thresholds)}
@@ -107,9 +107,45 @@ def build(config: dict, trainer: str, command: str | None, source: str = "--conf
                             f"{', '.join(FILES)}")
         if not isinstance(values.get("env", {}), dict):
             raise SpecError(f"{source} [command] env: must be a table of NAME = \"value\"")
+        if values["format"] == "specforge-conversations":
+            _check_template(values["chat_template"], source)
+        if "{config_path}" in template:
+            _check_run_config(values, source)
         fill_command(template, values, {p: f"<{p}>" for p in RUN_PLACEHOLDERS}, source)
         spec["command"] = {"template": template, "values": values}
     return spec
+
+
+def _check_template(requested: str, source: str) -> None:
+    """A conversations run's chat_template must be right for at least one thinking mode (the
+    job's is known when the run starts, and checked then)."""
+    from .specforge import HandoffError, template_for
+
+    try:
+        template_for(requested, {True: 1})
+        return
+    except HandoffError as thinking:
+        try:
+            template_for(requested, {False: 1})
+        except HandoffError:
+            raise SpecError(f"{source} [command] {thinking}") from None
+
+
+def _check_run_config(values: dict, source: str) -> None:
+    """The SpecForge run config these values make, with stand-in paths, accepted by SpecForge's
+    own Config when it is installed here."""
+    from .specforge import HandoffError, check, run_config
+
+    try:
+        config = run_config(values, fmt=values["format"], data_path="<data_path>",
+                            output_dir="<output_dir>", work_dir="<run_dir>/specforge",
+                            run_id="<run>", chat_template=None)
+    except HandoffError as exc:
+        raise SpecError(f"{source} {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"{source} [command]: {exc}") from None
+    if (problem := check(config)) is not None:
+        raise SpecError(f"{source} [command]: {problem} (set it with [command.specforge])")
 
 
 def fill_command(template: str, values: dict, run_values: dict, source: str = "the run") -> str:

@@ -3,7 +3,9 @@ training reads:
 
 - `specforge-conversations`: SpecForge's regenerated-data JSONL, one `{"id", "conversations",
   "status"}` per line (the assistant turn keeps `content` and `reasoning_content` apart), for
-  its raw-conversation data path (SpecForge renders it with its own template);
+  its raw-conversation data path (SpecForge renders it with its own template, which must be
+  the rows' thinking mode's: train_queue/specforge.py; the differences that remain are in
+  docs/TRAINING_DATA.md);
 - `specforge-tokenized`: one `{"id", "input_ids", "loss_mask"}` per line, for SpecForge's
   pre-tokenized `prompts_path` (no template involved at training time);
 - `parquet`: one file with `id`, `conversations`, `status`, `input_ids`, `loss_mask` and the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
@@ -25,7 +28,8 @@ from typing import Callable, Iterator
 from ..storage import Storage
 from .gate import REASONS, Report, Rules, Thresholds, check_row
 from .reader import NewestRows, job_storage, manifest_records
-from .tokens import ChatTemplate, Tokenized, TokenizeError, compare, from_server_ids, tokenize_row
+from .tokens import (ChatTemplate, Tokenized, TokenizeError, compare, from_server_ids,
+                     row_thinking, tokenize_row)
 
 FORMATS = ("specforge-conversations", "specforge-tokenized", "parquet")
 FILES = {"specforge-conversations": "conversations.jsonl",
@@ -102,12 +106,16 @@ class TrainingExport:
     report: Report
     kept: int = 0
     files: list[str] = field(default_factory=list)
+    # Kept rows per thinking mode: a conversations file is rendered with one mode's template.
+    thinking: Counter = field(default_factory=Counter)
 
     def summary(self) -> dict:
         dropped = dict(self.report.dropped)
         return {"job": self.job, "format": self.fmt, "path": str(self.path),
                 "rows_read": self.report.rows + self.report.duplicates, "unique_ids": self.report.rows,
                 "kept": self.kept, "dropped": dropped,
+                "thinking_modes": {"thinking": self.thinking[True],
+                                   "non_thinking": self.thinking[False]},
                 "dropped_reasons": {k: REASONS[k] for k in dropped},
                 "figures": self.report.figures()}
 
@@ -201,6 +209,7 @@ def export_training(storage: Storage, job: str, fmt: str, dest: Path, rules: Rul
                     dropped_f.write(json.dumps({"id": item.row.get("id"), "reason": item.reason}) + "\n")
                     continue
                 out.kept += 1
+                out.thinking[row_thinking(item.row)] += 1
                 if fmt == "specforge-conversations":
                     data_f.write(json.dumps(_conversation_record(item.row), ensure_ascii=False) + "\n")
                 elif fmt == "specforge-tokenized":
