@@ -1,6 +1,6 @@
 """`make demo`: the whole job on one machine, on defaults.
 
-Starts Redis if none answers, an S3 server (moto, unless DFLASH_S3_URI names a bucket), two
+Starts a redis-server of its own on a free port (never one it did not start), an S3 server (moto, unless DFLASH_S3_URI names a bucket), two
 simulated SGLang servers with their pinned workers, and beat; enqueues the bundled dataset, shows
 progress until done, lists the batches uploaded to S3, downloads and verifies them with
 `manage.py export`, and stops what it started. Run it again: the demo job starts over.
@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -41,6 +42,8 @@ class Demo:
     def __init__(self, cluster: LocalCluster) -> None:
         self.settings = get_settings()
         self.cluster = cluster
+        # Absolute: the children run in the repository's root, the demo wherever it was started.
+        self.setenv(DFLASH_OUTPUT_DIR=str(self.settings.output_dir.resolve()))
 
     def setenv(self, **values: str) -> None:
         """For this process (settings, boto3) and for every child started from now on."""
@@ -50,21 +53,21 @@ class Demo:
         self.settings = get_settings()
 
     def redis(self) -> redis.Redis:
-        url = self.settings.redis_url
-        r = redis.Redis.from_url(url)
-        self.cluster.env["DFLASH_REDIS_URL"] = url
-        try:
-            r.ping()
-            print(f"Redis: using {redact_url(url)}")
-        except redis.exceptions.ConnectionError:
-            host, port = r.connection_pool.connection_kwargs.get("host"), r.connection_pool.connection_kwargs.get("port", 6379)
-            if host not in ("127.0.0.1", "localhost") or not shutil.which("redis-server"):
-                raise SystemExit(f"demo: no Redis answers at {redact_url(url)}; start one or set DFLASH_REDIS_URL")
-            data = self.settings.output_dir / "demo-redis"
-            self.cluster.start_redis(port, data, appendonly=True)
-            self.cluster.env["DFLASH_REDIS_URL"] = url
-            print(f"Redis: started redis-server on port {port} (append-only, in {data})")
-        return r
+        """A redis-server of the demo's own, on a free port, every time: whatever answers at
+        DFLASH_REDIS_URL may be a live deployment, whose workers would take the demo's gpu0/gpu1
+        queues and write simulated rows into its jobs. Its data starts empty and is removed
+        afterwards, with the server."""
+        if not shutil.which("redis-server"):
+            raise SystemExit("demo: redis-server is not on the PATH (Debian: apt-get install "
+                             "redis-server); the demo starts its own and never uses another")
+        data = Path(tempfile.mkdtemp(prefix="dflash-demo-redis-"))
+        self.cluster.on_stop(lambda: shutil.rmtree(data, ignore_errors=True))
+        ignored = os.environ.get("DFLASH_REDIS_URL")
+        url = self.cluster.start_redis(free_port(), data, appendonly=False)
+        self.setenv(DFLASH_REDIS_URL=url)
+        print(f"Redis: started the demo's own redis-server at {url} (stopped at the end)"
+              + (f"; DFLASH_REDIS_URL={redact_url(ignored)} is not used" if ignored else ""))
+        return redis.Redis.from_url(url)
 
     def servers(self) -> None:
         ports = [p if _port_free(p) else free_port()
@@ -101,17 +104,13 @@ class Demo:
         print(f"S3: started a local S3 server (moto) at {endpoint}, batches go to "
               f"{self.settings.s3_uri}")
 
-    def forget_previous_run(self, r: redis.Redis) -> None:
-        keys = list(r.scan_iter(match=JobKeys(JOB)._k("*"), count=1000))
-        if keys:
-            r.delete(*keys)
-        r.srem("dflash:jobs", JOB)
+    def forget_previous_run(self) -> None:
         shutil.rmtree(self.settings.output_dir / JOB, ignore_errors=True)
         shutil.rmtree(self.settings.output_dir / f"{JOB}-export", ignore_errors=True)
 
     def run(self) -> None:
         r = self.redis()
-        self.forget_previous_run(r)
+        self.forget_previous_run()
         self.s3()
         self.servers()
         self.workers()

@@ -43,6 +43,7 @@ class LocalCluster:
         self.children: list[subprocess.Popen] = []
         self.named: dict[str, subprocess.Popen] = {}  # log name -> process (benchmarks read CPU times)
         self.server_urls: list[str] = []
+        self._on_stop: list[Callable[[], object]] = []
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")
@@ -98,6 +99,10 @@ class LocalCluster:
         return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env,
                               check=True, capture_output=capture, text=True)
 
+    def on_stop(self, cleanup: Callable[[], object]) -> None:
+        """Run `cleanup` after every child has stopped (e.g. remove Redis's data)."""
+        self._on_stop.append(cleanup)
+
     def stop(self) -> None:
         """Workers and beat first (a warm shutdown), then servers, Redis last."""
         for proc in reversed(self.children):
@@ -108,6 +113,8 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+        for cleanup in self._on_stop:
+            cleanup()
 
     def __enter__(self) -> "LocalCluster":
         # Children run in sessions of their own (a terminal's Ctrl-C must not reach them before
