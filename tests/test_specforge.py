@@ -11,20 +11,31 @@ from pathlib import Path
 
 import pytest
 
-from test_training_data import sim_rows, write_batches  # noqa: F401 (a fixture)
+from test_training_data import generate_rows, sim_rows, sim_url, words, write_batches  # noqa: F401
 from tokenizer_support import build_tokenizer
 
 from dflash_tasks.sim import tokens as sim
 from dflash_tasks.storage import LocalStorage
 from dflash_tasks.train_queue import spec
-from dflash_tasks.train_queue.specforge import (HandoffError, run_config, template_for,
-                                                write)
+from dflash_tasks.train_queue.specforge import (HandoffError, export_rules, run_config,
+                                                template_for, write)
 from dflash_tasks.training_data.exports import export_training
 from dflash_tasks.training_data.gate import Rules
 from dflash_tasks.training_data.tokens import ChatTemplate, tokenize_row
 
-specforge_config = pytest.importorskip("specforge.config")  # make install puts it in .venv
+# Installed by `make install` (requirements-specforge.txt): a missing SpecForge fails here.
+import specforge.config as specforge_config  # noqa: E402
 from specforge.data.prompt_builder import prepare_prompt_tasks  # noqa: E402
+
+# A single turn and a multi-turn prompt on which the simulated model answers in both modes
+# without running past the cap: in CONVERSATIONS it gives the single turn no answer without
+# thinking (dropped as empty) and never finishes the multi-turn one with thinking.
+MORE = {"single_b": [{"role": "user", "content": words(14, 10)}],
+        "multi_b": [{"role": "user", "content": words(14, 6)},
+                    {"role": "assistant", "content": words(15, 5),
+                     "reasoning_content": words(16, 3)},
+                    {"role": "user", "content": words(17, 7)}]}
+SHAPES = ("single", "system", "multi", "multi_system")
 
 ALL = Rules(min_loss_tokens=0, max_length=1 << 20, keep_truncated=True)
 # SpecForge's Qwen templates put this system turn into a conversation that has none.
@@ -45,13 +56,23 @@ def hf_tokenizer(tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def rows(sim_rows) -> list[dict]:  # noqa: F811
+def shaped_rows(sim_rows, sim_url) -> list[dict]:  # noqa: F811
     """Every shape: single turn, system + user, multi-turn (with and without a system turn),
-    thinking on and off, finished and truncated; and each again without the server's ids, so
-    that the project tokenizes it through --tokenizer."""
+    thinking on and off, finished and truncated."""
+    return sim_rows + generate_rows(sim_url, MORE)
+
+
+def shape(row_id: str) -> str:
+    return row_id.removeprefix("bare-").split("-")[0].removesuffix("_b")
+
+
+@pytest.fixture(scope="module")
+def rows(shaped_rows) -> list[dict]:
+    """Every shape, and each again without the server's ids, so that the project tokenizes it
+    through --tokenizer."""
     bare = [{**{k: v for k, v in r.items() if k != "token_ids"}, "id": "bare-" + r["id"]}
-            for r in sim_rows]
-    return sim_rows + bare
+            for r in shaped_rows]
+    return shaped_rows + bare
 
 
 def read_prompts(path: Path, tokenizer=None, **kwargs) -> list[tuple[list[int], list[int]]]:
@@ -74,11 +95,20 @@ def exported(tmp_path: Path, rows: list[dict], fmt: str, template=None, job="sf"
     return out, ids
 
 
+def test_the_oracle_is_the_pinned_specforge():
+    from importlib.metadata import version
+
+    pinned = [line.split("==")[1].strip() for line in
+              (Path(__file__).parent.parent / "requirements-specforge.txt").read_text().splitlines()
+              if line.startswith("specforge==")]
+    assert pinned == ["0.2.0"] and version("specforge") == "0.2.0"
+
+
 def test_the_default_path_hands_specforge_exactly_the_projects_ids_and_mask(
         tmp_path, rows, tokenizer_dir):
     template = ChatTemplate.load(tokenizer_dir)
     out, ids = exported(tmp_path, rows, "specforge-tokenized", template=template)
-    assert len(rows) == 48 and out.kept == 42  # the simulator's empty answers are dropped
+    assert len(rows) == 72 and out.kept == 66  # the simulator's empty answers are dropped
     assert set(out.report.dropped) == {"empty_answer"}
     by_id = {r["id"]: r for r in rows}
 
@@ -102,6 +132,13 @@ def test_the_default_path_hands_specforge_exactly_the_projects_ids_and_mask(
         assert input_ids == ours.input_ids, rid
         assert loss_mask == ours.loss_mask, rid
     assert sources == {"server", "template"}
+    # Every shape reached SpecForge: single turn, system + user, multi-turn (with and without a
+    # system turn), in both thinking modes, finished and truncated, from the server's ids and
+    # through the tokenizer.
+    shapes = {(shape(rid), by_id[rid]["metadata"]["enable_thinking"], by_id[rid]["status"],
+               rid.startswith("bare-")) for rid in ids}
+    assert shapes == {(s, thinking, status, bare) for s in SHAPES for thinking in (True, False)
+                      for status in ("success", "truncated") for bare in (True, False)}
 
 
 def named_differences(row: dict, ours, encode) -> tuple[list[int], list[int]]:
@@ -124,9 +161,12 @@ def named_differences(row: dict, ours, encode) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_the_conversations_path_differs_by_exactly_the_named_differences(
-        tmp_path, sim_rows, hf_tokenizer, thinking):  # noqa: F811
-    rows = [r for r in sim_rows if r["metadata"]["enable_thinking"] is thinking]
+        tmp_path, shaped_rows, hf_tokenizer, thinking):
+    rows = [r for r in shaped_rows if r["metadata"]["enable_thinking"] is thinking]
     out, ids = exported(tmp_path, rows, "specforge-conversations")
+    by_id = {r["id"]: r for r in rows}
+    assert {(shape(i), by_id[i]["status"]) for i in ids} == \
+        {(s, status) for s in SHAPES for status in ("success", "truncated")}
     chat_template = template_for("auto", dict(out.thinking))
     assert chat_template == ("qwen3-thinking" if thinking else "qwen3-instruct")
     config = run_config({**spec.COMMAND_DEFAULTS, "target_model": "/m"},
@@ -142,7 +182,6 @@ def test_the_conversations_path_differs_by_exactly_the_named_differences(
     from datasets import Dataset
 
     order = Dataset.from_dict({"i": list(range(len(ids)))}).shuffle(seed=42)["i"]
-    by_id = {r["id"]: r for r in rows}
     encode = lambda text: hf_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     exact = 0
     for index, (input_ids, loss_mask) in zip(order, samples):
@@ -232,3 +271,32 @@ def test_train_refuses_a_command_section_specforge_would_refuse():
     with pytest.raises(spec.SpecError, match="chat_template 'qwen' refused"):
         build({"target_model": "/m", "format": "specforge-conversations", "chat_template": "qwen"})
     assert build({"target_model": "/m", "format": "specforge-conversations"})
+
+
+def test_a_conversations_run_leaves_truncated_rows_out_unless_asked(tmp_path, shaped_rows):
+    """SpecForge would close a truncated row with an end of turn (and a `</think>`) the model
+    never generated: the run's conversations export leaves them out even when [gate] keeps
+    them, unless [command] keep_truncated = true. The tokenized export keeps the gate's rule."""
+    rows = [r for r in shaped_rows if r["metadata"]["enable_thinking"]]
+    truncated = {r["id"] for r in rows if r["status"] == "truncated"}
+    gate = Rules(min_loss_tokens=0, max_length=1 << 20, keep_truncated=True)
+    write_batches(tmp_path / "shipped", "sf", rows, per_batch=5)
+
+    def kept(fmt: str, values: dict, name: str) -> set[str]:
+        out = export_training(LocalStorage(tmp_path / "shipped"), "sf", fmt, tmp_path / name,
+                              export_rules(gate, fmt, values))
+        return {json.loads(line)["id"] for line in out.path.read_text().splitlines()}
+
+    default = kept("specforge-conversations", dict(spec.COMMAND_DEFAULTS), "default")
+    assert default and not default & truncated
+    dropped = [json.loads(x) for x in (tmp_path / "default" / "dropped.jsonl").read_text().splitlines()]
+    assert {d["id"] for d in dropped if d["reason"] == "truncated"} == truncated
+    asked = kept("specforge-conversations", {"keep_truncated": True}, "asked")
+    assert asked & truncated and default < asked
+    assert kept("specforge-tokenized", {}, "tokenized") & truncated
+
+    with pytest.raises(HandoffError, match="keep_truncated: true or false, not 'yes'"):
+        export_rules(gate, "specforge-conversations", {"keep_truncated": "yes"})
+    with pytest.raises(spec.SpecError, match="keep_truncated: true or false, not 'false'"):
+        spec.build({"gate": {}, "reference": {},
+                    "command": {"target_model": "/m", "keep_truncated": "false"}}, "command", None)

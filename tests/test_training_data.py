@@ -56,13 +56,13 @@ CONVERSATIONS = {
 }
 
 
-def generate_rows(url: str) -> list[dict]:
+def generate_rows(url: str, conversations: dict[str, list[dict]] = CONVERSATIONS) -> list[dict]:
     """Rows as the pipeline builds them, from the simulated server, in both thinking modes, at
     a cap that lets them finish and at caps that cut them inside the reasoning and the answer."""
     client = SGLangClient(url)
     rows = []
     try:
-        for name, messages in CONVERSATIONS.items():
+        for name, messages in conversations.items():
             for thinking in (True, False):
                 natural = client.chat(messages, max_tokens=30000, enable_thinking=thinking)
                 for cap in (30000, 3, max(2, natural.completion_tokens - 2)):
@@ -77,7 +77,8 @@ def generate_rows(url: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def sim_rows(tmp_path_factory) -> list[dict]:
+def sim_url(tmp_path_factory) -> str:
+    """A simulated SGLang server's URL, for the module's tests."""
     port = free_port()
     log = tmp_path_factory.mktemp("sim") / "sim.log"
     proc = Proc(python("-m", "dflash_tasks.sim", "--port", str(port), "--decode-tps", "200000",
@@ -85,9 +86,14 @@ def sim_rows(tmp_path_factory) -> list[dict]:
     try:
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200,
                    timeout=30, what="the simulated server")
-        yield generate_rows(f"http://127.0.0.1:{port}")
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def sim_rows(sim_url) -> list[dict]:
+    return generate_rows(sim_url)
 
 
 def expected_mask(row: dict) -> list[int]:

@@ -22,7 +22,6 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -173,15 +172,13 @@ class RunSession:
 
     def train_command(self, rules) -> dict:
         from ..training_data.exports import export_training
-        from .specforge import CONFIG_FILE, HandoffError, template_for
+        from .specforge import CONFIG_FILE, HandoffError, export_rules, template_for
 
         command = self.run.spec["command"]
         values = command["values"]
         fmt = values["format"]
         data_dir = self.run_dir / "data"
-        if fmt == "specforge-conversations":
-            # SpecForge would close a truncated row with an end of turn it never generated.
-            rules = replace(rules, keep_truncated=bool(values.get("keep_truncated", False)))
+        rules = export_rules(rules, fmt, values)  # conversations: no truncated rows unless asked
         self.set_phase("export")
         self.say(f"exporting job {self.run.job} as {fmt} to {data_dir} ...")
         out = export_training(self._job_storage(), self.run.job, fmt, data_dir, rules,

@@ -21,6 +21,7 @@ import copy
 import json
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 THINKING_TEMPLATE = "qwen3-thinking"
@@ -66,6 +67,20 @@ def template_for(requested: str | None, modes: dict[bool, int]) -> str:
                        f"{'thinking' if mode else 'non-thinking'} rows: {reason}; use "
                        f"{wanted!r} (chat_template = \"auto\" picks it) or format = "
                        "\"specforge-tokenized\"")
+
+
+def export_rules(rules, fmt: str, values: dict):
+    """The gate's rules for the export a run hands SpecForge. A conversations export leaves
+    truncated rows out unless `[command] keep_truncated = true`, whatever [gate] says:
+    SpecForge renders each as a finished turn, closed with an `<|im_end|>` (and a `</think>`
+    when the cut struck inside the reasoning) that the model never generated, and trains on
+    them. The tokenized export keeps the gate's choice: it hands over only generated tokens."""
+    if fmt != "specforge-conversations":
+        return rules
+    keep = values.get("keep_truncated", False)
+    if not isinstance(keep, bool):
+        raise HandoffError(f"[command] keep_truncated: true or false, not {keep!r}")
+    return replace(rules, keep_truncated=keep)
 
 
 def _merge(base: dict, extra: dict) -> dict:
