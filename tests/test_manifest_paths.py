@@ -83,3 +83,34 @@ def test_a_good_manifest_still_exports(tmp_path):
     write_batches(tmp_path / "s", "j", [good_row(i) for i in range(4)], per_batch=2)
     report = export(LocalStorage(tmp_path / "s"), "j", tmp_path / "to")
     assert report.batches == 2 and report.rows == 4
+
+
+@pytest.mark.parametrize("name", BAD_NAMES + ["..", "a/b"])
+@pytest.mark.parametrize("field", ["run", "job"])
+def test_a_training_run_named_outside_the_training_dir_is_refused(tmp_path, field, name):
+    """A run comes from Redis, which others write to: a run or job name that is not one
+    `manage.py train` could have made is refused before its data/ and checkpoints/ (and
+    SpecForge's cache under them) exist anywhere."""
+    from dflash_tasks.settings import Settings
+    from dflash_tasks.train_queue.execute import RunSession, TrainingError
+    from dflash_tasks.train_queue.runs import Run
+
+    names = {"run": "j-train-1", "job": "j", field: name}
+    run = Run(run=names["run"], job=names["job"], trainer="command", status="queued")
+    root = tmp_path / "deep" / "training"
+    with pytest.raises(TrainingError, match=f"training run refused: its {field} name: invalid "
+                                            f"job name {name!r}"):
+        RunSession(None, run, Settings(train_dir=root), publish_state=print, hostname="h")
+    assert files_under(tmp_path) == set()
+
+
+def test_a_good_training_run_stays_under_the_training_dir(tmp_path):
+    from dflash_tasks.settings import Settings
+    from dflash_tasks.train_queue.execute import RunSession
+    from dflash_tasks.train_queue.runs import Run
+
+    run = Run(run="j.v2-train-1", job="j.v2", trainer="command", status="queued")
+    session = RunSession(None, run, Settings(train_dir=tmp_path / "training"),
+                         publish_state=print, hostname="h")
+    assert session.run_dir == tmp_path / "training" / "j.v2-train-1"
+    assert session.ckpt_dir == session.run_dir / "checkpoints"
