@@ -88,6 +88,6 @@ worker_send_task_events = True
 beat_schedule = {
     "tick": {"task": "dflash_tasks.tick", "schedule": timedelta(seconds=_s.progress_interval_s),
              "options": {"queue": "control", "expires": _s.progress_interval_s * 2}},
-    "maintain": {"task": "dflash_tasks.maintain", "schedule": timedelta(seconds=30),
-                 "options": {"queue": "control", "expires": 60}},
+    "maintain": {"task": "dflash_tasks.maintain", "schedule": timedelta(seconds=_s.maintain_interval_s),
+                 "options": {"queue": "control", "expires": _s.maintain_interval_s * 2}},
 }

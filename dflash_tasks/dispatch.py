@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import time
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import redis
 from celery import Celery
 
 from .connections import redis_client
-from .keys import WORKERS, JobKeys, queue_for
+from .keys import WORKERS, WORKERS_SEEN, JobKeys, queue_for
 from .settings import get_settings
 
 GENERATE = "dflash_tasks.generate"
@@ -187,31 +188,87 @@ def _job_and_id(entry) -> tuple[str, str]:
         return "", ""
 
 
-def restore_orphans(app: Celery, queue: str, delivered_before: float) -> int:
-    """Put back in `queue` the unacknowledged messages of that queue delivered before
-    `delivered_before`: a worker starting on a GPU queue calls it with its own start time, so
-    what its predecessor held when it was killed (running requests, retries waiting for their ETA)
-    is sent again now instead of after the visibility timeout. One worker consumes a GPU queue:
-    only a dead one can hold such messages (if the old one is in fact still finishing, its copies
-    are harmless: the ledger records a prompt once). Returns how many were restored."""
+def restore_unheld(app: Celery, queues: list[str], held: set[str]) -> int:
+    """Put back in their queue the unacknowledged messages of `queues` whose delivery tag is not
+    in `held` (what this worker is running now). A GPU worker calls it each time its consumer
+    (re)connects: at start-up, what a killed predecessor held; after a Redis restart, its own
+    retries that were waiting for their ETA, which Celery drops with the lost connection. They
+    come back now instead of after the visibility timeout (hours). One worker consumes a GPU
+    queue, so nobody else can hold them; a copy that is in fact still running somewhere is
+    harmless (the ledger records a prompt once). Returns how many were restored."""
     r = redis_client()
-    index = f"{UNACKED}_index"
     tags = []
     for tag, raw in r.hscan_iter(UNACKED, count=1000):
         try:
-            payload, exchange, routing_key = json.loads(raw)
+            _, exchange, routing_key = json.loads(raw)
         except (ValueError, TypeError):
             continue
-        if queue in (routing_key, exchange):
+        tag = tag.decode() if isinstance(tag, bytes) else tag
+        if (routing_key in queues or exchange in queues) and tag not in held:
             tags.append(tag)
     if not tags:
         return 0
-    old = [t for t, score in zip(tags, r.zmscore(index, tags))
-           if score is not None and score < delivered_before]
-    if not old:
-        return 0
     with app.connection_for_write() as conn:
         qos = conn.default_channel.qos
-        for tag in old:
-            qos.restore_by_tag(tag.decode() if isinstance(tag, bytes) else tag)
-    return len(old)
+        for tag in tags:
+            qos.restore_by_tag(tag)
+    return len(tags)
+
+
+def waiting_retries(r: redis.Redis, job: str) -> dict[int, list[str]]:
+    """gpu -> ids of `job` whose retry message waits for its ETA in a worker (unacknowledged),
+    for status's accounting. Candidates only: the caller intersects them
+    with the in-flight sets in the same transaction as its other reads."""
+    now = time.time()
+    waiting: dict[int, list[str]] = {}
+    for _, raw in r.hscan_iter(UNACKED, count=1000):
+        try:
+            payload, _, routing_key = json.loads(raw)
+        except (ValueError, TypeError):
+            continue
+        _collect_waiting(payload, routing_key, job, now, waiting)
+    return waiting
+
+
+def _collect_waiting(payload, queue: str, job: str, now: float, into: dict[int, list[str]]) -> None:
+    if not (isinstance(queue, str) and queue.startswith("gpu") and queue[3:].isdigit()):
+        return
+    eta = (payload.get("headers") or {}).get("eta") if isinstance(payload, dict) else None
+    if not eta:
+        return
+    try:
+        due = datetime.fromisoformat(eta).timestamp()
+    except (TypeError, ValueError):
+        return
+    job_of, prompt_id = _job_and_id(payload)
+    if job_of == job and due > now:
+        into.setdefault(int(queue[3:]), []).append(prompt_id)
+
+
+def gone_gpus(r: redis.Redis, gpus: range, after_s: float) -> set[int]:
+    """The GPUs among `gpus` whose worker has not stamped its heartbeat (heartbeat.py) for
+    `after_s`, or never did, or stopped cleanly (which removes the stamp)."""
+    seconds, micros = r.time()
+    now = seconds + micros / 1e6
+    stamps = r.hmget(WORKERS_SEEN, [queue_for(g) for g in gpus]) if gpus else []
+    return {g for g, stamp in zip(gpus, stamps) if stamp is None or now - float(stamp) > after_s}
+
+
+def drain_gone(r: redis.Redis, job: str, gpu: int, older_than_s: float) -> int:
+    """A GPU whose worker is gone (no heartbeat for `older_than_s`, or none ever): put the prompts
+    dispatched to it more than `older_than_s` ago back in front of pending, withdrawing their
+    queued messages, so the job's other GPUs generate them. A message the dead worker still held
+    comes back with it, finds its prompt no longer in flight there, and is skipped. Returns how
+    many went back."""
+    from .connections import ledger
+
+    key = JobKeys(job).inflight(gpu)
+    old = {m.decode() for m in r.zrangebyscore(key, "-inf", time.time() - older_than_s)}
+    if not old:
+        return 0
+    queue = queue_for(gpu)
+    for raw in r.lrange(queue, 0, -1):
+        job_of, prompt_id = _job_and_id(raw)
+        if job_of == job and prompt_id in old:
+            r.lrem(queue, 1, raw)
+    return ledger().recall(job, gpu, sorted(old))

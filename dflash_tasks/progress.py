@@ -15,7 +15,7 @@ import time
 
 import redis
 
-from . import jobs
+from . import dispatch, jobs
 from .batches import latency_bucket_ms
 from .keys import SERVERS, WORKERS, WORKERS_SEEN, JobKeys
 from .ledger import HIST_BUCKET_TOKENS
@@ -66,7 +66,11 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
     rate_keys = ([f"c:{b}" for b in buckets] + [f"t:{b}" for b in buckets] + [f"i:{b}" for b in buckets]
                  + [f"g{gpu}:{kind}:{b}" for gpu in range(job.gpus) for kind in ("c", "t") for b in buckets])
 
-    pipe = r.pipeline(transaction=False)
+    # Retries waiting for their ETA are in flight too; which of them still are is read in the
+    # same transaction as every count, so pending + in flight + waiting + completed + failed
+    # equals the total at that instant (each ledger script is atomic).
+    waiting_candidates = dispatch.waiting_retries(r, name)
+    pipe = r.pipeline(transaction=True)
     pipe.hgetall(k.counters)
     pipe.llen(k.pending)
     pipe.xlen(k.output)
@@ -78,8 +82,15 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
     pipe.hgetall(SERVERS)
     for gpu in range(job.gpus):
         pipe.zcard(k.inflight(gpu))
+    retrying_gpus = [g for g in range(job.gpus) if waiting_candidates.get(g)]
+    for gpu in retrying_gpus:
+        pipe.zmscore(k.inflight(gpu), waiting_candidates[gpu])
     (counters_raw, pending, unsealed, rate_raw, workers_raw, sealing, storage_error, seen_raw,
-     servers_raw, *inflight) = pipe.execute()
+     servers_raw, *rest) = pipe.execute()
+    waiting = [0] * job.gpus
+    for gpu, scores in zip(retrying_gpus, rest[job.gpus:]):
+        waiting[gpu] = len({i for i, score in zip(waiting_candidates[gpu], scores) if score is not None})
+    inflight = [n - w for n, w in zip(rest[:job.gpus], waiting)]  # sent, or queued to be sent
     servers = {key.decode(): json.loads(v) for key, v in servers_raw.items()}
     seen = {key.decode(): float(v) for key, v in seen_raw.items()}
 
@@ -134,6 +145,7 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
             "output_tokens_per_sec": round(g_tokens, 1),
             "output_throughput": round(g_tokens, 1),
             "in_flight": inflight[gpu],
+            "retry_waiting": waiting[gpu],
             "retries": _int(c, f"gpu:{gpu}:retries"),
             "worker": workers.get(f"gpu{gpu}", {}).get("hostname"),
             "alive": age is not None and age < ALIVE_PERIODS * s.worker_heartbeat_s,
@@ -151,6 +163,7 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
         "failed": failed,
         "pending": pending,
         "in_flight": sum(inflight),
+        "retry_waiting": sum(waiting),
         "remaining": remaining,
         "retries": _int(c, "retries"),
         "retry_reasons": {key.split(":", 1)[1]: v for key, v in c.items() if key.startswith("retry:")},

@@ -19,6 +19,9 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     output_dir: Path = Path("output")
     s3_uri: str | None = None
+    # Workers and beat refuse a Redis that persists nothing (neither AOF nor RDB): its restart
+    # loses the whole ledger. True accepts that (a throw-away run).
+    allow_no_persistence: bool = False
 
     # The SGLang server a worker calls: DFLASH_SGLANG_URL pins it; otherwise the GPU index picks
     # http://{sglang_host}:{sglang_base_port + gpu}, the layout workers/launch_node.py starts.
@@ -105,8 +108,15 @@ class Settings(BaseSettings):
     visibility_timeout_s: int = 4 * 3600
     reap_after_s: int = 5 * 3600
     # A prompt in flight this long with no task message for it anywhere (its GPU's queue, or
-    # unacknowledged in a worker) lost it to a broker crash: beat's maintain dispatches it again.
-    lost_message_grace_s: float = 60.0
+    # unacknowledged in a worker) lost it to a broker crash (a Redis restart with appendfsync
+    # everysec can lose the last second of writes): beat's maintain, every maintain_interval_s,
+    # dispatches it again. Two looks a second apart cover a message on its way between places.
+    lost_message_grace_s: float = 20.0
+    maintain_interval_s: float = 10.0
+    # A GPU whose worker has not stamped its heartbeat for this long (killed, its node lost,
+    # never started) gets nothing new, and the prompts dispatched to it before then go back to
+    # pending for the job's other GPUs. Longer than a worker restart takes.
+    worker_gone_after_s: int = 180
 
     # Training runs (manage.py train): their directories (checkpoints, train.log, metrics.jsonl,
     # the export a command trainer reads) on the training node, under train_dir or else

@@ -10,7 +10,7 @@ import re
 import socket
 import time
 
-from celery import signals
+from celery import bootsteps, signals
 
 from .settings import get_settings, redact_url
 
@@ -109,22 +109,46 @@ def _check_failure_settings(sender, instance, conf, **_):
         publish_closed(gpu, s.sglang_url_for(gpu))
 
 
-_STARTED_AT = time.time()  # before this process consumed anything: older deliveries are not ours
+class RestoreOnConnect(bootsteps.StartStopStep):
+    """A consumer step, so it runs at every (re)connection of a GPU worker, before it consumes:
+    the unacknowledged messages of its queues that it does not hold go back in the queue
+    (dispatch.restore_unheld). At start-up those are what a killed predecessor held; after a
+    Redis restart, this worker's own retries waiting for their ETA, which Celery forgets with
+    the lost connection (Consumer.on_close) while their messages sit in `unacked`: without
+    this they would come back only after the visibility timeout (4 h)."""
 
+    requires = ("celery.worker.consumer.tasks:Tasks",)
 
-@signals.worker_ready.connect
-def _restore_predecessors_messages(sender, **_):
-    """A GPU worker starting after one was killed (SIGKILL, OOM, node lost) takes back what the
-    dead one held at once, rather than after the visibility timeout (hours)."""
-    from . import dispatch
-    from .keys import queue_for
+    def start(self, c):
+        from celery.worker.state import active_requests, reserved_requests
 
-    for gpu in gpus_consumed(sender.app):
+        from . import dispatch
+        from .keys import queue_for
+
+        queues = [queue_for(gpu) for gpu in gpus_consumed(c.app)]
+        if not queues:
+            return
+        held = {tag for request in (*tuple(active_requests), *tuple(reserved_requests))
+                if (tag := getattr(getattr(request, "message", None), "delivery_tag", None))}
         try:
-            restored = dispatch.restore_orphans(sender.app, queue_for(gpu), _STARTED_AT)
-        except Exception:
-            log.exception("gpu%d: could not look for messages a previous worker left", gpu)
-            continue
+            restored = dispatch.restore_unheld(c.app, queues, held)
+        except Exception:  # never stop a reconnect: the visibility timeout still restores them
+            log.exception("could not look for unacknowledged messages of %s", ", ".join(queues))
+            return
         if restored:
-            log.warning("gpu%d: %d message(s) a previous worker held unacknowledged are back in "
-                        "the queue", gpu, restored)
+            log.warning("%s: %d unacknowledged message(s) no running task holds (retries waiting "
+                        "before a reconnect, or what a previous worker held) are back in the "
+                        "queue", ", ".join(queues), restored)
+
+
+@signals.worker_init.connect
+def _refuse_redis_without_persistence(sender=None, **_):
+    """However the worker was launched: a Redis that persists nothing loses every prompt's
+    state on a restart (connections.check_persistence)."""
+    from .connections import PersistenceError, check_persistence, redis_client
+
+    try:
+        check_persistence(redis_client(), get_settings())
+    except PersistenceError as exc:
+        log.critical("%s", exc)
+        raise SystemExit(2) from None

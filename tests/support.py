@@ -83,3 +83,40 @@ class Proc:
 
 def python(*args: str) -> list[str]:
     return [sys.executable, *args]
+
+
+class AofRedis:
+    """A redis-server of the test's own with append-only persistence, on a fixed port and
+    directory, so it can be crashed (SIGKILL) and started again on the same data, as a Redis
+    restart in production. appendfsync: "everysec" is the deployed setting (docker-compose); a
+    crash can lose the last second of writes. "always" loses nothing acknowledged."""
+
+    def __init__(self, tmp: Path, appendfsync: str = "always"):
+        import redis
+
+        self.port = free_port()
+        self.dir = tmp / "redis-aof"
+        self.dir.mkdir()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.appendfsync = appendfsync
+        self.proc: Proc | None = None
+        self.starts = 0
+        self._client = redis.Redis.from_url(self.url)
+
+    def start(self) -> None:
+        self.starts += 1
+        self.proc = Proc(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                          "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "",
+                          "--maxmemory-policy", "noeviction", "--dir", str(self.dir)],
+                         self.dir / f"redis-{self.starts}.log")
+        wait_until(lambda: self._client.ping(), timeout=30, what="redis-server to load its AOF")
+
+    def crash(self) -> None:
+        """SIGKILL: no shutdown save, nothing flushed beyond what AOF already fsynced."""
+        assert self.proc is not None
+        self.proc._signal(signal.SIGKILL)
+        self.proc.popen.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()

@@ -133,7 +133,7 @@ def test_rate_is_over_the_recent_window_not_since_the_start(r):
 
     book = _job(r, "win", 100)
     for i in range(30):
-        book.complete("win", f"p{i}", i % 2, _row(i, i % 2, 100 * (1 + i % 2), 1.0))
+        book.complete("win", f"p{i}", i % 2, _row(i, i % 2, 100 * (1 + i % 2), 1.0), gpus=2)
     k = JobKeys("win")
     now = int(r.time()[0])
     old = now - 3600 - now % RATE_BUCKET_S
@@ -154,7 +154,7 @@ def test_old_rate_buckets_are_pruned(r):
     from dflash_tasks.progress import RATE_BUCKET_S, prune_rate
 
     book = _job(r, "prune", 10)
-    book.complete("prune", "p0", 0, _row(0, 0, 5, 1.0))
+    book.complete("prune", "p0", 0, _row(0, 0, 5, 1.0), gpus=1)
     k = JobKeys("prune")
     now = int(r.time()[0])
     old = now - 7200 - now % RATE_BUCKET_S
@@ -189,7 +189,7 @@ def test_reading_costs_the_same_at_any_size(r, monkeypatch):
             pipe.sadd(JobKeys(name).done, f"p{i}")
         pipe.hincrby(JobKeys(name).counters, "completed", n // 2)
         pipe.execute()
-        book.complete(name, "p0x", 0, _row(0, 0, 5, 1.0))
+        book.complete(name, "p0x", 0, _row(0, 0, 5, 1.0), gpus=1)
         sent.clear()
         monkeypatch.setattr(redis_lib.client.Pipeline, "execute", execute)
         monkeypatch.setattr(redis_lib.Redis, "execute_command", command)
@@ -216,7 +216,7 @@ def test_latency_percentiles_and_s3_totals_are_counted_once_per_batch(r, tmp_pat
     book = _job(r, "lat", 200)
     latencies = [0.5 + i * 0.05 for i in range(200)]
     for i, lat in enumerate(latencies):
-        book.complete("lat", f"p{i}", i % 2, _row(i, i % 2, 50, lat, "length" if i % 4 == 0 else "stop"))
+        book.complete("lat", f"p{i}", i % 2, _row(i, i % 2, 50, lat, "length" if i % 4 == 0 else "stop"), gpus=2)
     writer = BatchWriter(r, Ledger(r), FakeRemote(tmp_path), BatchPolicy(rows=64, bytes=10**9, max_age_s=999))
     names = writer.flush("lat", final=True)
     assert len(names) == 4

@@ -86,7 +86,7 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
             err_console.print(f"[yellow]job {name}: {loader.added:,} new prompts were stored "
                               "before the error; enqueueing the fixed dataset again adds the rest[/]")
             if existing.status == lifecycle.DONE:  # a done job has every prompt answered
-                jobs.set_status(r, name, lifecycle.RUNNING)
+                jobs.transition(r, name, lifecycle.DONE, lifecycle.RUNNING)
         if isinstance(exc, DatasetError):
             what = "not created" if existing is None else \
                 f"kept its {loader.added:,} new prompts" if loader.added else "unchanged"
@@ -157,7 +157,8 @@ def _status_table(snap: dict) -> Table:
                           f"eta {eta}")
     t.add_row("completed / failed", f"{snap['completed']:,} / {snap['failed']:,}  "
                                     f"(retries {snap.get('retries', 0):,})")
-    t.add_row("pending / in flight", f"{snap['pending']:,} / {snap['in_flight']:,}")
+    t.add_row("pending / in flight / retry wait",
+              f"{snap['pending']:,} / {snap['in_flight']:,} / {snap.get('retry_waiting', 0):,}")
     t.add_row("rate", f"{snap['rate_per_sec']:.2f} completions/s, "
                       f"{snap['output_tokens_per_sec']:,.0f} output tokens/s")
     t.add_row("tokens in / out", f"{snap['total_input_tokens']:,} / {snap['total_output_tokens']:,} "
@@ -171,7 +172,8 @@ def _status_table(snap: dict) -> Table:
         t.add_row("[red]storage error[/]", str(snap["storage_error"].get("error")))
     for gpu, g in snap["gpus"].items():
         alive = "[green]alive[/]" if g.get("alive") else "[red]no heartbeat[/]"
-        line = (f"{g['completed']:,} done, {g['in_flight']} in flight, "
+        line = (f"{g['completed']:,} done, {g['in_flight']} in flight"
+                f"{(', %d waiting to retry' % g['retry_waiting']) if g.get('retry_waiting') else ''}, "
                 f"{g.get('output_tokens_per_sec', 0):,.0f} tok/s, {g.get('retries', 0)} retries, "
                 f"{g['worker'] or '-'} {alive}")
         server = g.get("server")

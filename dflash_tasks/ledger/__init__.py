@@ -27,14 +27,19 @@ class TaskState:
     done: bool
     failed: bool = False  # in the failed registry: parked until `manage.py retry-failed`
     continuation: dict | None = None  # a truncated output to continue (regenerate --continue)
+    # Dispatched to this GPU and not recalled since (a message of a recalled prompt is stale).
+    in_flight_here: bool = True
 
 
 class Ledger:
     def __init__(self, client: redis.Redis):
         self.r = client
-        self._scripts = {name: client.register_script((_HERE / f"{name}.lua").read_text())
-                         for name in ("add_prompts", "take", "complete", "fail", "record_batch",
-                                      "retry", "requeue_failed", "reopen", "recall")}
+        prelude = {"complete": "elsewhere", "fail": "elsewhere"}  # Lua functions they call
+        self._scripts = {
+            name: client.register_script("".join(
+                (_HERE / f"{part}.lua").read_text() for part in (prelude.get(name), name) if part))
+            for name in ("add_prompts", "take", "complete", "fail", "record_batch", "retry",
+                         "requeue_failed", "reopen", "recall")}
 
     # -- enqueue ---------------------------------------------------------------------------------
 
@@ -52,21 +57,23 @@ class Ledger:
         ids = self._scripts["take"](keys=[k.config, k.pending, k.inflight(gpu)], args=[window])
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
-    def task_state(self, job: str, prompt_id: str) -> TaskState:
+    def task_state(self, job: str, prompt_id: str, gpu: int) -> TaskState:
         k = JobKeys(job)
         pipe = self.r.pipeline(transaction=False)
         pipe.hget(k.config, "params")
         pipe.hget(k.prompts, prompt_id)
         pipe.sismember(k.done, prompt_id)
         pipe.hexists(k.failed, prompt_id)
-        params, entry, done, failed = pipe.execute()
+        pipe.zscore(k.inflight(gpu), prompt_id)
+        params, entry, done, failed, here = pipe.execute()
         entry = decode_messages(entry) if entry else None
         # A regenerated prompt is stored as {"messages", "continue"?} (reopen.lua), a new one as
         # its bare list of messages.
         messages, continuation = (entry["messages"], entry.get("continue")) \
             if isinstance(entry, dict) else (entry, None)
         return TaskState(params=json.loads(params) if params else None, messages=messages,
-                         done=bool(done), failed=bool(failed), continuation=continuation)
+                         done=bool(done), failed=bool(failed), continuation=continuation,
+                         in_flight_here=here is not None)
 
     def reopen(self, job: str, row: dict, entry_json: str, continued_tokens: int) -> bool:
         """Take a done prompt back for regeneration (reopen.lua); False if it was not done."""
@@ -88,22 +95,26 @@ class Ledger:
 
     # -- outcomes --------------------------------------------------------------------------------
 
-    def complete(self, job: str, prompt_id: str, gpu: int, row: dict, *, rate_bucket_s: int = 10) -> bool:
-        """Record a finished row exactly once. False when it was a duplicate delivery."""
+    def complete(self, job: str, prompt_id: str, gpu: int, row: dict, *, gpus: int,
+                 rate_bucket_s: int = 10) -> bool:
+        """Record a finished row exactly once. False when it was a duplicate delivery. `gpus`:
+        how many GPUs the job uses (a recalled prompt may wait on another one)."""
         k = JobKeys(job)
         meta = row["metadata"]
         out = int(meta["completion_tokens"])
         return bool(self._scripts["complete"](
-            keys=[k.done, k.inflight(gpu), k.prompts, k.failed, k.counters, k.rate, k.output],
+            keys=[k.done, k.inflight(gpu), k.prompts, k.failed, k.counters, k.rate, k.output,
+                  k.pending, *_other_inflights(k, gpu, gpus)],
             args=[prompt_id, json.dumps(row, ensure_ascii=False, separators=(",", ":")),
                   int(meta["prompt_tokens"]), out, meta["finish_reason"], gpu, rate_bucket_s,
                   out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS]))
 
-    def fail(self, job: str, prompt_id: str, gpu: int, record: dict) -> bool:
+    def fail(self, job: str, prompt_id: str, gpu: int, record: dict, *, gpus: int) -> bool:
         """Enter a prompt in the failed registry. False when it was done or already failed."""
         k = JobKeys(job)
         return bool(self._scripts["fail"](
-            keys=[k.done, k.inflight(gpu), k.failed, k.counters, k.failures],
+            keys=[k.done, k.inflight(gpu), k.failed, k.counters, k.failures, k.pending,
+                  *_other_inflights(k, gpu, gpus)],
             args=[prompt_id, json.dumps(record, ensure_ascii=False)]))
 
     def note_retry(self, job: str, prompt_id: str, gpu: int, reason: str) -> bool:
@@ -138,6 +149,10 @@ class Ledger:
     def counters(self, job: str) -> dict[str, int]:
         raw = self.r.hgetall(JobKeys(job).counters)
         return {_s(k): int(v) for k, v in raw.items()}
+
+
+def _other_inflights(k: JobKeys, gpu: int, gpus: int) -> list[str]:
+    return [k.inflight(g) for g in range(gpus) if g != gpu]
 
 
 def _s(value: bytes | str) -> str:

@@ -1,6 +1,7 @@
 """Beat's tasks, on the `control` queue: seal batches and write progress.json, launch training
 runs whose data is ready and queue again those whose worker stopped or died (tick); keep every
-GPU's window full and re-dispatch lost prompts (maintain)."""
+GPU's window full, re-dispatch lost prompts and move the prompts of a GPU whose worker is gone
+(maintain)."""
 from __future__ import annotations
 
 import json
@@ -73,8 +74,10 @@ def tick_job(name: str) -> dict | None:
                 _storage_state(r, name, exc, snap["unsealed_rows"])
         # Done only once the final progress.json is beside the batches: a done job has no more
         # ticks, so a failed last upload is retried by staying "running" one more tick.
-        if finished and shipped and snap["storage_error"] is None:
-            jobs.set_status(r, name, "done")
+        # Done only if nothing changed since the snapshot (an enqueue that added prompts, a pause):
+        # otherwise the next tick writes the job as it is now.
+        if finished and shipped and snap["storage_error"] is None and \
+                jobs.transition(r, name, "running", "done", expect_total=snap["total"]):
             log.info("job %s: done, %d completed, %d failed", name, snap["completed"], snap["failed"])
     return snap
 
@@ -154,7 +157,19 @@ def maintain() -> None:
     def keep_windows_full(job: jobs.Job) -> None:
         if job.status != "running":
             return
-        for gpu in range(job.gpus):
+        gpus = range(job.gpus)
+        gone = dispatch.gone_gpus(r, gpus, s.worker_gone_after_s)
+        for gpu in gpus:
+            if gpu in gone:
+                # Nothing is sent to a GPU without a worker; what waits there moves to the GPUs
+                # that have one (when none has, it stays: the first worker back takes it).
+                back = dispatch.drain_gone(r, job.name, gpu, s.worker_gone_after_s) \
+                    if len(gone) < len(gpus) else 0
+                if back:
+                    log.warning("job %s gpu%d: no worker for %ds; %d prompts in flight there went "
+                                "back to pending for the other GPUs", job.name, gpu,
+                                s.worker_gone_after_s, back)
+                continue
             reaped = dispatch.reap(app, job.name, gpu, s.reap_after_s)
             if reaped:
                 log.warning("job %s gpu%d: %d prompts dispatched again (no outcome after %ds)",

@@ -38,7 +38,7 @@ from .. import shutdown
 from ..celery_app import app
 from ..connections import ledger
 from ..continuation import continue_generation
-from ..dispatch import GENERATE, topup
+from ..dispatch import GENERATE, job_gpus, topup
 from ..jobs import GenerationParams
 from ..keys import queue_for
 from ..rows import build_row
@@ -118,7 +118,7 @@ def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
     book = ledger()
     if shutdown.requested():
         raise Reject("worker shutting down: prompt returned to its queue", requeue=True)
-    state = durable("reading the prompt", book.task_state, job, prompt_id)
+    state = durable("reading the prompt", book.task_state, job, prompt_id, gpu)
     if state.done:
         book.drop_inflight(job, gpu, prompt_id)
         return {"id": prompt_id, "skipped": "already done"}
@@ -128,6 +128,10 @@ def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
     if state.messages is None or state.params is None:
         book.drop_inflight(job, gpu, prompt_id)
         return {"id": prompt_id, "skipped": "not pending (job removed)"}
+    if not state.in_flight_here:
+        # Recalled from this GPU (a cancel, fewer --gpus, this worker given up for gone) while
+        # the message waited: the prompt is pending again, or dispatched elsewhere.
+        return {"id": prompt_id, "skipped": f"no longer dispatched to gpu{gpu}"}
     params = GenerationParams.from_dict(state.params)
     s = get_settings()
     client = client_for(gpu)
@@ -174,7 +178,8 @@ def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
     circuit.record_success()
     row = build_row(prompt_id, state.messages, completion, job=job, gpu=gpu, params=params,
                     attempts=attempt)
-    recorded = durable("recording the row", book.complete, job, prompt_id, gpu, row)
+    recorded = durable("recording the row",
+                       lambda: book.complete(job, prompt_id, gpu, row, gpus=job_gpus(job)))
     return {"id": prompt_id, "finish_reason": completion.finish_reason,
             "completion_tokens": completion.completion_tokens, "attempts": attempt,
             **({} if recorded else {"skipped": "duplicate delivery"})}
@@ -185,7 +190,7 @@ def _refill(job: str, gpu: int) -> None:
         return  # the next worker (or beat's maintain) refills; this one takes nothing new
     try:
         topup(app, job, gpu)
-    except Exception as exc:  # Redis away: beat's maintain tops the window up within 30 s
+    except Exception as exc:  # Redis away: beat's maintain tops the window up within 10 s
         log.warning("gpu%d: could not top up job %s's window (%s)", gpu, job, exc)
 
 
@@ -200,7 +205,8 @@ def _record_failure(job: str, prompt_id: str, gpu: int, *, reason: str, klass: s
     """Enter the prompt in the failed registry, then raise PromptFailed (Flower: FAILURE)."""
     record = {"id": prompt_id, "reason": reason, "class": klass, "error": error[:2000],
               "status": status, "attempts": attempts, "gpu": gpu, "at": round(time.time(), 3)}
-    durable("recording a failure", ledger().fail, job, prompt_id, gpu, record)
+    durable("recording a failure",
+            lambda: ledger().fail(job, prompt_id, gpu, record, gpus=job_gpus(job)))
     log.warning("prompt %s failed (%s, %s) on gpu%d after %d attempt(s): %s", prompt_id, klass,
                 reason, gpu, attempts, error[:500])
     raise PromptFailed(f"{reason}: {error[:500]}")
