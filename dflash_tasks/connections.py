@@ -6,7 +6,7 @@ from functools import lru_cache
 import redis
 
 from .ledger import Ledger
-from .settings import get_settings
+from .settings import Settings, get_settings, redact_url
 
 
 @lru_cache(maxsize=1)
@@ -18,3 +18,31 @@ def redis_client() -> redis.Redis:
 @lru_cache(maxsize=1)
 def ledger() -> Ledger:
     return Ledger(redis_client())
+
+
+class PersistenceError(RuntimeError):
+    """Redis would lose the ledger on a restart; the message names the settings and the flag."""
+
+
+def check_persistence(r: redis.Redis, s: Settings) -> None:
+    """Refuse a Redis with neither AOF nor RDB snapshots: a restart of it loses every prompt's
+    state (pending, in flight, done marks, the rows waiting to be sealed), and nothing can tell
+    which prompts were generated. DFLASH_ALLOW_NO_PERSISTENCE=1 allows it anyway (a throw-away
+    run). A Redis whose CONFIG command is disabled (a managed service) cannot be checked: a
+    warning says so."""
+    if s.allow_no_persistence:
+        return
+    try:
+        config = {**r.config_get("appendonly"), **r.config_get("save")}
+    except redis.ResponseError as exc:
+        import logging
+
+        logging.getLogger(__name__).warning("cannot check the persistence of Redis at %s (%s); "
+                                            "make sure it has AOF or RDB", redact_url(s.redis_url), exc)
+        return
+    if config.get("appendonly") != "yes" and not (config.get("save") or "").strip():
+        raise PersistenceError(
+            f"Redis at {redact_url(s.redis_url)} persists nothing (appendonly no, save \"\"): a "
+            "restart would lose every prompt's state. Run it with `--appendonly yes --appendfsync "
+            "everysec` (docker-compose.yml does), or set DFLASH_ALLOW_NO_PERSISTENCE=1 to accept "
+            "that for a throw-away run")

@@ -63,7 +63,7 @@ class Demo:
         data = Path(tempfile.mkdtemp(prefix="dflash-demo-redis-"))
         self.cluster.on_stop(lambda: shutil.rmtree(data, ignore_errors=True))
         ignored = os.environ.get("DFLASH_REDIS_URL")
-        url = self.cluster.start_redis(free_port(), data, appendonly=False)
+        url = self.cluster.start_redis(free_port(), data)
         self.setenv(DFLASH_REDIS_URL=url)
         print(f"Redis: started the demo's own redis-server at {url} (stopped at the end)"
               + (f"; DFLASH_REDIS_URL={redact_url(ignored)} is not used" if ignored else ""))

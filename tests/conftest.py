@@ -15,7 +15,8 @@ from support import Proc, free_port, python, wait_until
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory) -> str:
     """A redis-server of this test session's own on a free port: tests never touch the
-    machine's Redis, and two test runs on one machine never see each other's queues.
+    machine's Redis, and two test runs on one machine never see each other's queues. It
+    persists as deployed (AOF, fsync every second), which workers and beat require.
     DFLASH_TEST_REDIS_URL points the tests at an existing server instead."""
     if url := os.environ.get("DFLASH_TEST_REDIS_URL"):
         yield url
@@ -23,7 +24,8 @@ def redis_server(tmp_path_factory) -> str:
     port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
     proc = Proc(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--dir", str(workdir)], workdir / "redis.log")
+                 "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(workdir)],
+                workdir / "redis.log")
     url = f"redis://127.0.0.1:{port}/0"
     wait_until(lambda: redis.Redis.from_url(url).ping(), timeout=20, what="the test redis-server")
     yield url
@@ -53,6 +55,8 @@ class Cluster:
             "DFLASH_BATCH_MAX_AGE_S": "2",
             "DFLASH_RETRY_BASE_S": "0.2",
             "DFLASH_RETRY_CAP_S": "2",
+            # A Redis the tests did not start (DFLASH_TEST_REDIS_URL) may persist nothing.
+            **({"DFLASH_ALLOW_NO_PERSISTENCE": "1"} if os.environ.get("DFLASH_TEST_REDIS_URL") else {}),
             **{f"DFLASH_{k.upper()}": str(v) for k, v in settings.items()},
         }
         self.r = redis.Redis.from_url(redis_url)
@@ -98,7 +102,12 @@ class Cluster:
         return proc
 
     def start_beat(self) -> Proc:
+        """Beat and its control worker; returns once that worker is ready, so a test that
+        enqueues next sees ticks from the start (on a loaded machine start-up takes seconds)."""
         self.beat = Proc(python("manage.py", "beat"), self._log("beat"), env=self.env)
+        wait_until(lambda: "ready." in self.beat.log() or not self.beat.alive(), timeout=60,
+                   what="beat's control worker to start")
+        assert self.beat.alive(), self.beat.log()
         return self.beat
 
     def manage(self, *args: str, check: bool = True):
