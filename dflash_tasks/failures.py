@@ -149,9 +149,8 @@ def retry_failed(app: Celery, r: redis.Redis, job: str, *, reason: str | None = 
     if report.requeued and not dry_run:
         info = jobs.load(r, job)
         report.status = info.status if info else report.status
-        if report.status == "done":  # the lifecycle: a done job with work again runs
-            jobs.set_status(r, job, "running")
-            report.status = "running"
+        if report.status == "done" and jobs.transition(r, job, "done", "running"):
+            report.status = "running"  # the lifecycle: a done job with work again runs
         if report.status == "running":
             for g in range(info.gpus):
                 report.dispatched += dispatch.topup(app, job, g)

@@ -78,10 +78,29 @@ def save(r: redis.Redis, name: str, params: GenerationParams, *, gpus: int, data
     return job
 
 
-def set_status(r: redis.Redis, name: str, status: str) -> None:
+def transition(r: redis.Redis, name: str, expect: str, status: str,
+               expect_total: int | None = None) -> bool:
+    """Set the job's status to `status` only if it is still `expect` (and, with `expect_total`,
+    its prompt count is still that): a command checked against the state it read, and beat's
+    `done` against the total it saw, never overwrite a change made since (an enqueue adding
+    prompts, a pause). False when something changed; nothing is written then."""
     if status not in STATUSES:
         raise ValueError(f"unknown status {status!r}; one of {', '.join(STATUSES)}")
-    r.hset(JobKeys(name).config, "status", status)
+    k = JobKeys(name)
+    with r.pipeline() as pipe:
+        try:
+            pipe.watch(k.config, *([k.counters] if expect_total is not None else []))
+            current = pipe.hget(k.config, "status")
+            total = int(pipe.hget(k.counters, "total") or 0)
+            if current is None or current.decode() != expect or \
+                    (expect_total is not None and total != expect_total):
+                return False
+            pipe.multi()
+            pipe.hset(k.config, "status", status)
+            pipe.execute()
+            return True
+        except redis.WatchError:
+            return False
 
 
 def names(r: redis.Redis) -> list[str]:
@@ -99,13 +118,15 @@ def update_params(r: redis.Redis, name: str, **changes) -> tuple[GenerationParam
     return job.params, new
 
 
-def cancel(r: redis.Redis, name: str) -> int:
-    """Mark the job cancelled: nothing more is dispatched (take.lua), its messages still queued
-    are withdrawn, requests already running finish and are kept. The prompts not generated stay
-    in the job, counted in its total, so `resume` finishes them all. Returns how many wait."""
+def cancel(r: redis.Redis, name: str, expect: str) -> int | None:
+    """Mark the job cancelled (if it is still `expect`; None otherwise): nothing more is
+    dispatched (take.lua), its messages still queued are withdrawn, requests already running
+    finish and are kept. The prompts not generated stay in the job, counted in its total, so
+    `resume` finishes them all. Returns how many wait."""
     from .dispatch import withdraw
 
-    set_status(r, name, "cancelled")  # first: take.lua dispatches nothing from now on
+    if not transition(r, name, expect, "cancelled"):  # first: take.lua dispatches nothing now
+        return None
     job = load(r, name)
     for gpu in range(job.gpus if job else 0):
         withdraw(r, name, gpu, everything=False)

@@ -43,3 +43,20 @@ def allowed_or_fail(command: str, job: jobs.Job) -> str:
         return lifecycle.check(command, job.name, job.status)
     except lifecycle.LifecycleError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def change_state(r: redis.Redis, command: str, job: jobs.Job) -> str:
+    """Check `command` against the job's state and move the job to the state it leads to, unless
+    the state changed since it was read (beat finishing it, another command): then refuse, and
+    nothing has changed. Returns the new state."""
+    target = allowed_or_fail(command, job)
+    if target != job.status and not jobs.transition(r, job.name, job.status, target):
+        raise changed_meanwhile(r, job)
+    return target
+
+
+def changed_meanwhile(r: redis.Redis, job: jobs.Job) -> click.ClickException:
+    now = jobs.load(r, job.name)
+    return click.ClickException(f"job {job.name} changed from {job.status} to "
+                                f"{now.status if now else 'deleted'} while this ran; nothing was "
+                                "changed: run the command again")

@@ -7,7 +7,7 @@ import json
 import click
 from rich.table import Table
 
-from .common import console, err_console, job_or_fail, redis_or_fail
+from .common import allowed_or_fail, console, err_console, job_or_fail, redis_or_fail
 
 _REASON_HELP = ("A reason (invalid_request, model_not_found, empty_response, internal_error, "
                 "unavailable, timeout, bad_response, aborted) or a class (transient, permanent). "
@@ -78,6 +78,7 @@ def retry_failed(name: str, reason: str | None, gpu: int | None, dry_run: bool, 
 
     r = redis_or_fail()
     job = job_or_fail(r, name)
+    allowed_or_fail("retry-failed", job)
     report = run(app, r, name, reason=reason, gpu=gpu, dry_run=dry_run)
     if as_json:
         click.echo(json.dumps({"job": name, "dry_run": dry_run, **report.as_dict()}))

@@ -6,7 +6,7 @@ import click
 from rich.table import Table
 
 from .. import jobs
-from .common import allowed_or_fail, console, job_or_fail, redis_or_fail
+from .common import changed_meanwhile, allowed_or_fail, change_state, console, job_or_fail, redis_or_fail
 
 
 @click.command("jobs")
@@ -29,8 +29,7 @@ def list_jobs() -> None:
 def pause(name: str) -> None:
     """Stop dispatching the job's prompts; requests in flight finish and are kept."""
     r = redis_or_fail()
-    allowed_or_fail("pause", job_or_fail(r, name))
-    jobs.set_status(r, name, "paused")
+    change_state(r, "pause", job_or_fail(r, name))
     console.print(f"job {name}: paused (requests in flight finish; `resume` continues)")
 
 
@@ -43,8 +42,7 @@ def resume(name: str) -> None:
 
     r = redis_or_fail()
     job = job_or_fail(r, name)
-    allowed_or_fail("resume", job)
-    jobs.set_status(r, name, "running")
+    change_state(r, "resume", job)
     sent = sum(dispatch.topup(app, name, gpu) for gpu in range(job.gpus))
     console.print(f"job {name}: running ({sent} prompts dispatched now)")
 
@@ -56,8 +54,11 @@ def cancel(name: str) -> None:
     """Stop dispatching the job for good; rows already made are kept, and the prompts never
     generated stay counted (`resume` finishes them, `delete` removes the job)."""
     r = redis_or_fail()
-    allowed_or_fail("cancel", job_or_fail(r, name))
-    never = jobs.cancel(r, name)
+    job = job_or_fail(r, name)
+    allowed_or_fail("cancel", job)
+    never = jobs.cancel(r, name, expect=job.status)
+    if never is None:
+        raise changed_meanwhile(r, job)
     console.print(f"job {name}: cancelled; {never:,} prompts were never generated "
                   f"(`manage.py resume --job {name}` generates them, `delete` removes the job)")
 

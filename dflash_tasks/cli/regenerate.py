@@ -7,7 +7,7 @@ import json
 import click
 
 from ..settings import get_settings
-from .common import console, job_or_fail, redis_or_fail
+from .common import allowed_or_fail, console, job_or_fail, redis_or_fail
 
 CHUNK = 500
 
@@ -31,6 +31,7 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
 
     r = redis_or_fail()
     job = job_or_fail(r, name)
+    allowed_or_fail("regenerate", job)
     cap = job.params.max_tokens
     book = ledger()
     reopened = continued = saved = 0
@@ -61,8 +62,9 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
         if limit and reopened + len(batch) >= limit:
             break
     flush()
-    if reopened and job.status in ("done", "running"):
-        jobs.set_status(r, name, "running")
+    if reopened and job.status == "done":
+        jobs.transition(r, name, "done", "running")  # the lifecycle: a done job with work runs
+    if reopened and jobs.load(r, name).status == "running":
         for gpu in range(job.gpus):
             dispatch.topup(app, name, gpu)
     console.print(f"job {name}: {reopened:,} prompts with finish_reason {finish_reason!r} queued "
