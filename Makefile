@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-sglang demo bench clean
+.PHONY: install test test-sglang demo bench chaos clean
 
 install: $(STAMP)
 
@@ -37,6 +37,17 @@ demo: install
 # The performance benchmark (about ten minutes): prints the table and writes benchmarks/RESULTS.md.
 bench: install
 	$(PY) -m benchmarks
+
+# The long model-based chaos run (tests/chaos.py; make test runs two short sequences): random
+# operator actions and faults on a real deployment, the invariants checked after every step; it
+# writes test-artifacts/chaos-report.md and .json. A failure prints the command that replays it.
+#   make chaos SEED=300 STEPS=40 MINUTES=30 [SKIP=redis_restart,...]
+SEED ?= 1
+STEPS ?= 40
+MINUTES ?= 0
+SKIP ?=
+chaos: install
+	$(PY) tools/chaos.py --seed $(SEED) --steps $(STEPS) --minutes $(MINUTES) $(if $(SKIP),--skip $(SKIP))
 
 clean:
 	rm -rf $(VENV) output test-artifacts

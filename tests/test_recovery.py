@@ -131,3 +131,26 @@ def test_beat_does_not_mark_done_a_job_that_got_prompts_since_its_snapshot(tmp_p
     assert r.hget("dflash:{cas}:config", "status") == b"running"
     assert jobs.transition(r, "cas", "running", "done", expect_total=10)
     assert r.hget("dflash:{cas}:config", "status") == b"done"
+
+
+def test_an_outcome_after_delete_writes_nothing(tmp_path, redis_url):
+    """A paused job deleted while one of its requests still runs: that request's row, failure or
+    retry arrives after the delete and must not bring the job's keys back (found by the chaos
+    test: `make chaos SEED=206 STEPS=13`)."""
+    import redis
+
+    from dflash_tasks.ledger import Ledger
+
+    c = Cluster(tmp_path, redis_url)
+    data = write_jsonl(tmp_path / "d.jsonl", prompts(3))
+    c.manage("enqueue", "--dataset", str(data), "--job", "gone2")
+    c.manage("pause", "--job", "gone2")
+    c.manage("delete", "--job", "gone2", "--yes")
+    r = redis.Redis.from_url(redis_url)
+    book = Ledger(r)
+    row = {"id": "q0000", "metadata": {"completion_tokens": 5, "prompt_tokens": 3,
+                                       "finish_reason": "stop", "gpu": 0}}
+    assert not book.complete("gone2", "q0000", 0, row, gpus=1)
+    assert not book.fail("gone2", "q0001", 0, {"id": "q0001"}, gpus=1)
+    assert not book.note_retry("gone2", "q0002", 0, "http_503")
+    assert list(r.scan_iter(match="dflash:\\{gone2\\}:*")) == []

@@ -104,7 +104,7 @@ class Ledger:
         out = int(meta["completion_tokens"])
         return bool(self._scripts["complete"](
             keys=[k.done, k.inflight(gpu), k.prompts, k.failed, k.counters, k.rate, k.output,
-                  k.pending, *_other_inflights(k, gpu, gpus)],
+                  k.pending, k.config, *_other_inflights(k, gpu, gpus)],
             args=[prompt_id, json.dumps(row, ensure_ascii=False, separators=(",", ":")),
                   int(meta["prompt_tokens"]), out, meta["finish_reason"], gpu, rate_bucket_s,
                   out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS]))
@@ -113,14 +113,14 @@ class Ledger:
         """Enter a prompt in the failed registry. False when it was done or already failed."""
         k = JobKeys(job)
         return bool(self._scripts["fail"](
-            keys=[k.done, k.inflight(gpu), k.failed, k.counters, k.failures, k.pending,
+            keys=[k.done, k.inflight(gpu), k.failed, k.counters, k.failures, k.pending, k.config,
                   *_other_inflights(k, gpu, gpus)],
             args=[prompt_id, json.dumps(record, ensure_ascii=False)]))
 
     def note_retry(self, job: str, prompt_id: str, gpu: int, reason: str) -> bool:
         """Count a retry and refresh the prompt's in-flight mark. False when it is already done."""
         k = JobKeys(job)
-        return bool(self._scripts["retry"](keys=[k.done, k.inflight(gpu), k.counters],
+        return bool(self._scripts["retry"](keys=[k.done, k.inflight(gpu), k.counters, k.config],
                                            args=[prompt_id, reason, gpu]))
 
     def requeue_failed(self, job: str, records: Sequence[tuple[str, str]]) -> tuple[int, int]:

@@ -1,10 +1,14 @@
 -- Record a finished prompt exactly once: done mark, counters and output row in one atomic step,
 -- so the counters always equal what the output holds, whatever is delivered twice.
--- KEYS: done, inflight(gpu), prompts, failed, counters, rate, output, pending,
+-- KEYS: done, inflight(gpu), prompts, failed, counters, rate, output, pending, config,
 --       inflight(k) for the job's other GPUs k
 -- ARGV: id, row_json, input_tokens, output_tokens, finish_reason, gpu, rate_bucket_s, hist_bucket
--- Returns 1 when recorded, 0 when the id was already done (a duplicate delivery).
+-- Returns 1 when recorded, 0 when the id was already done (a duplicate delivery) or the job was
+-- deleted while the request ran (nothing is written: its keys stay gone).
 local id = ARGV[1]
+if redis.call('EXISTS', KEYS[9]) == 0 then
+  return 0
+end
 local was_here = redis.call('ZREM', KEYS[2], id)
 if redis.call('SADD', KEYS[1], id) == 0 then
   return 0
@@ -13,7 +17,7 @@ redis.call('HDEL', KEYS[3], id)
 if redis.call('HDEL', KEYS[4], id) == 1 then
   redis.call('HINCRBY', KEYS[5], 'failed', -1)
 elseif was_here == 0 then
-  forget_elsewhere(id, KEYS[8], 9)
+  forget_elsewhere(id, KEYS[8], 10)
 end
 local input_tokens, output_tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
 local gpu = 'gpu:' .. ARGV[6] .. ':'

@@ -1,8 +1,12 @@
 -- Before a prompt's transient failure is retried: count the retry, and keep the prompt's place in
 -- its GPU's in-flight set fresh (the window counts it while it waits; the reaper leaves it alone).
--- KEYS: done, inflight(gpu), counters     ARGV: id, reason, gpu
--- Returns 0 when the prompt is already done (another delivery finished it): nothing to retry.
+-- KEYS: done, inflight(gpu), counters, config     ARGV: id, reason, gpu
+-- Returns 0 when the prompt is already done (another delivery finished it), or its job was
+-- deleted: nothing to retry.
 local id = ARGV[1]
+if redis.call('EXISTS', KEYS[4]) == 0 then
+  return 0
+end
 if redis.call('SISMEMBER', KEYS[1], id) == 1 then
   redis.call('ZREM', KEYS[2], id)
   return 0

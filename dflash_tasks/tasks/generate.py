@@ -165,7 +165,7 @@ def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
         circuit.record_failure(str(exc))
         if attempt <= s.max_retries:
             if not durable("counting a retry", book.note_retry, job, prompt_id, gpu, exc.reason):
-                return {"id": prompt_id, "skipped": "done by another delivery"}
+                return {"id": prompt_id, "skipped": "done by another delivery, or its job deleted"}
             countdown = backoff_s(tries)
             log.info("prompt %s on gpu%d: %s; retry %d/%d in %.1fs", prompt_id, gpu, exc,
                      attempt, s.max_retries, countdown)
