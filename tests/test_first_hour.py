@@ -3,6 +3,7 @@ pipe, the long-running commands started from another directory, and the messages
 deployment that is not complete yet. (tests/test_docs_commands.py runs the docs' examples.)"""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,3 +28,64 @@ def test_demo_starts_its_own_redis_and_never_touches_the_one_configured(redis_ur
     assert r.info("stats")["total_connections_received"] == before
     assert r.keys("*") == [b"live-deployment"]
     assert (tmp_path / "output" / "demo" / "progress.json").exists()
+
+
+def _manage(env, *args):
+    result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "manage.py"), *args],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"manage.py {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def test_tables_read_at_80_columns_and_piped(redis_url, tmp_path):
+    """status, failed and train-status piped (rich then renders at COLUMNS) in 80 columns: no
+    line is wider, no cell is cut to "…", a figure keeps its unit, a long error and a long run
+    name are there whole, and what does not fit is named."""
+    from rich.cells import cell_len
+
+    from dflash_tasks.keys import JobKeys
+    from dflash_tasks.ledger import Ledger
+
+    env = {**os.environ, "DFLASH_REDIS_URL": redis_url, "DFLASH_OUTPUT_DIR": str(tmp_path / "out"),
+           "COLUMNS": "80"}
+    job = "qwen3-8b-thinking-long-job-name"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _manage(env, "enqueue", "--dataset", os.path.join(root, "examples", "prompts.jsonl"),
+            "--job", job, "--gpus", "2", "--limit", "30")
+    r = redis.Redis.from_url(redis_url)
+    error = ("The input (9,001 tokens) is longer than the model's context length (8,192 tokens). "
+             * 5 + "THE-END-OF-THE-ERROR")
+    ids = [i.decode() for i in r.zrange(JobKeys(job).inflight(0), 0, 2)]  # nothing consumes them
+    assert len(ids) == 3, ids
+    for n, pid in enumerate(ids):
+        assert Ledger(r).fail(job, pid, 0, {"id": pid, "reason": "invalid_request",
+                                            "class": "permanent", "error": error if n < 2 else "short",
+                                            "status": 400, "attempts": 1, "gpu": 0, "at": 1.7e9 + n},
+                              gpus=2)
+    (tmp_path / "train.toml").write_text('[reference]\ntarget_model = "/models/Qwen3-8B"\n')
+    for _ in range(2):
+        _manage(env, "train", "--job", job, "--after-done", "--config", str(tmp_path / "train.toml"))
+
+    outputs = {cmd: _manage(env, *cmd.split(), "--job", job) for cmd in ("status", "failed")}
+    outputs["train-status"] = _manage(env, "train-status")
+    for cmd, out in outputs.items():
+        wide = [line for line in out.splitlines() if cell_len(line) > 80]
+        assert not wide, f"{cmd}: lines over 80 columns:\n" + "\n".join(wide)
+        assert "…" not in out, f"{cmd} cut a cell:\n{out}"
+
+    progress = next(line for line in outputs["status"].splitlines() if "progress" in line)
+    assert "/30 (" in progress and ("eta -" in progress or progress.rstrip().endswith(" h")), \
+        outputs["status"]
+    assert "retry wait" in outputs["status"]
+
+    failed = outputs["failed"]
+    flat = " ".join(line.strip() for line in failed.splitlines())
+    assert error in flat, failed  # whole, wrapped in its own lines
+    assert flat.count("THE-END-OF-THE-ERROR") == 1 and "(the same error)" in flat
+    assert all(pid in failed for pid in ids)
+
+    listing = outputs["train-status"]
+    assert f"{job}-train-1" in listing and f"{job}-train-2" in listing, listing
+    assert "not shown at 80 columns" in listing and "--json" in listing
+    whole = json.loads(_manage(env, "train-status", "--json"))
+    assert {run["run"] for run in whole} == {f"{job}-train-1", f"{job}-train-2"}

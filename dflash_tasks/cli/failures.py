@@ -5,13 +5,42 @@ import datetime as dt
 import json
 
 import click
-from rich.table import Table
+from rich.padding import Padding
+from rich.text import Text
 
 from .common import allowed_or_fail, console, err_console, job_or_fail, redis_or_fail
 
 _REASON_HELP = ("A reason (invalid_request, model_not_found, empty_response, internal_error, "
                 "unavailable, timeout, bad_response, aborted) or a class (transient, permanent). "
                 "[all]")
+
+
+ERROR_CHARS = 1000  # of one error in the listing; --json gives every error whole
+
+
+def _print_group(reason: str, group: dict, limit: int) -> None:
+    """One reason: a line per prompt, its error below it, wrapped at the terminal's width and
+    indented (a table's error column is a word or two wide in 80 columns). An error the same as
+    the prompt's above it is not printed again."""
+    console.print(Text.assemble((f"{reason}", "bold"), f" ({group['class']}): {group['count']:,} "
+                                "prompts, " + ", ".join(f"{g} {n:,}" for g, n in group["gpus"].items())))
+    previous = None
+    for rec in group["prompts"][:limit]:
+        console.print(Padding(Text(f"{rec.get('id')}  gpu{rec.get('gpu')}  attempts "
+                                   f"{rec.get('attempts', '')}  failed {rec.get('failures', 1)}x  "
+                                   f"{_when(rec.get('at'))}", overflow="fold"), (0, 0, 0, 2)))
+        error = rec.get("error") or ""
+        if error == previous:
+            text = Text("(the same error)", style="dim")
+        elif len(error) > ERROR_CHARS:
+            text = Text(error[:ERROR_CHARS] + f"... ({len(error) - ERROR_CHARS:,} more characters: "
+                        "--json)", overflow="fold")
+        else:
+            text = Text(error or "-", overflow="fold")
+        previous = error
+        console.print(Padding(text, (0, 0, 0, 6)))
+    if group["count"] > limit:
+        console.print(f"  ... and {group['count'] - limit:,} more (--limit, or --json)")
 
 
 def _when(ts) -> str:
@@ -41,18 +70,7 @@ def failed(name: str, as_json: bool, limit: int) -> None:
                      + ")" if data["retries_by_reason"] else "")
                   + (f"; {data['requeued']:,} re-queued by retry-failed" if data["requeued"] else ""))
     for reason, group in data["reasons"].items():
-        t = Table(title=f"{reason} ({group['class']}): {group['count']:,} prompts, "
-                        + ", ".join(f"{g} {n:,}" for g, n in group["gpus"].items()),
-                  title_justify="left", show_lines=False)
-        for col in ("id", "gpu", "attempts", "times failed", "at", "error"):
-            t.add_column(col, overflow="fold")
-        for rec in group["prompts"][:limit]:
-            t.add_row(str(rec.get("id")), f"gpu{rec.get('gpu')}", str(rec.get("attempts", "")),
-                      str(rec.get("failures", 1)), _when(rec.get("at")),
-                      (rec.get("error") or "")[:300])
-        console.print(t)
-        if group["count"] > limit:
-            console.print(f"  ... and {group['count'] - limit:,} more (--limit, or --json)")
+        _print_group(reason, group, limit)
     for gpu, b in data["breakers"].items():
         state = b.get("state", "?")
         style = "red" if state == "open" else "green"
@@ -60,7 +78,7 @@ def failed(name: str, as_json: bool, limit: int) -> None:
                  if state == "open" else f" (opened {b.get('times_opened', 0)} times)")
         console.print(f"{gpu} circuit breaker: [{style}]{state}[/]{extra}")
     if data["failed"]:
-        console.print(f"Put them back with: python manage.py retry-failed --job {name} "
+        console.print(f"Put them back with: manage.py retry-failed --job {name} "
                       "[--reason REASON] [--gpu I]")
 
 
@@ -97,4 +115,4 @@ def retry_failed(name: str, reason: str | None, gpu: int | None, dry_run: bool, 
                           "dispatched when it runs again[/]")
     elif report.requeued and not dry_run:
         console.print(f"GPU windows topped up ({report.dispatched:,} tasks sent); the rest go as "
-                      f"slots free up (watch: python manage.py status --job {job.name})")
+                      f"slots free up (watch: manage.py status --job {job.name})")

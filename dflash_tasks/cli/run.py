@@ -147,23 +147,32 @@ def _bar(fraction: float, width: int = 30) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
-def _status_table(snap: dict) -> Table:
-    """The run at a glance: the same figures as progress.json, for a terminal."""
+def _status_table(snap: dict, width: int | None = None) -> Table:
+    """The run at a glance: the same figures as progress.json, for a terminal. Labels are short
+    and the bar narrows with the terminal, so at 80 columns (or piped: rich's 80) every figure
+    keeps its unit on its line; a long value (the per-GPU lines, a storage error) wraps inside
+    its cell."""
+    width = width or console.width
     t = Table(title=f"job {snap['job']}: {snap['status']}", show_header=False, box=None)
+    t.add_column("what", no_wrap=True)
+    t.add_column("value", overflow="fold")
     done = snap["completed"] + snap["failed"]
     fraction = done / snap["total"] if snap["total"] else 0.0
     eta = f"{snap['eta_hours']:.2f} h" if snap["eta_hours"] is not None else "-"
-    t.add_row("progress", f"{_bar(fraction)} {done:,}/{snap['total']:,} ({100 * fraction:.1f}%)  "
-                          f"eta {eta}")
+    figures = f"{done:,}/{snap['total']:,} ({100 * fraction:.1f}%)  eta {eta}"
+    label_width = 18  # the longest label, "completed / failed"; 4 more for the cells' padding
+    bar = max(5, min(30, width - label_width - 4 - 1 - len(figures)))
+    t.add_row("progress", f"{_bar(fraction, bar)} {figures}")
     t.add_row("completed / failed", f"{snap['completed']:,} / {snap['failed']:,}  "
                                     f"(retries {snap.get('retries', 0):,})")
-    t.add_row("pending / in flight / retry wait",
-              f"{snap['pending']:,} / {snap['in_flight']:,} / {snap.get('retry_waiting', 0):,}")
+    t.add_row("waiting", f"pending {snap['pending']:,}, in flight {snap['in_flight']:,}, "
+                         f"retry wait {snap.get('retry_waiting', 0):,}")
     t.add_row("rate", f"{snap['rate_per_sec']:.2f} completions/s, "
                       f"{snap['output_tokens_per_sec']:,.0f} output tokens/s")
     t.add_row("tokens in / out", f"{snap['total_input_tokens']:,} / {snap['total_output_tokens']:,} "
                                  f"(avg out {snap['avg_output_tokens']:,.0f})")
-    t.add_row("finish reasons", ", ".join(f"{k}={v:,}" for k, v in sorted(snap["finish_reasons"].items()))
+    t.add_row("finish reasons", (", ".join(f"{k}={v:,}" for k, v in sorted(snap["finish_reasons"].items()))
+                                 or "none yet")
               + f"  (truncated {snap['truncated_pct']:.1f}%)")
     where = snap.get("s3_uri") or "local"
     t.add_row("batches", f"{snap['batches']:,} ({snap['batch_bytes']:,} bytes, {where}), "
@@ -172,16 +181,15 @@ def _status_table(snap: dict) -> Table:
         t.add_row("[red]storage error[/]", str(snap["storage_error"].get("error")))
     for gpu, g in snap["gpus"].items():
         alive = "[green]alive[/]" if g.get("alive") else "[red]no heartbeat[/]"
-        line = (f"{g['completed']:,} done, {g['in_flight']} in flight"
-                f"{(', %d waiting to retry' % g['retry_waiting']) if g.get('retry_waiting') else ''}, "
-                f"{g.get('output_tokens_per_sec', 0):,.0f} tok/s, {g.get('retries', 0)} retries, "
-                f"{g['worker'] or '-'} {alive}")
+        t.add_row(gpu, f"{g['worker'] or '-'} {alive}: {g['completed']:,} done, "
+                       f"{g['in_flight']} in flight"
+                       f"{(', %d waiting to retry' % g['retry_waiting']) if g.get('retry_waiting') else ''}, "
+                       f"{g.get('output_tokens_per_sec', 0):,.0f} tok/s, {g.get('retries', 0)} retries")
         server = g.get("server")
         if server and not server.get("error"):
-            line += (f"; server: {server.get('running', 0):.0f} running, "
-                     f"{server.get('queued', 0):.0f} queued, "
-                     f"{server.get('gen_throughput', 0):,.0f} tok/s")
-        t.add_row(gpu, line)
+            t.add_row("", f"server: {server.get('running', 0):.0f} running, "
+                          f"{server.get('queued', 0):.0f} queued, "
+                          f"{server.get('gen_throughput', 0):,.0f} tok/s")
     return t
 
 

@@ -180,24 +180,55 @@ def train_status(run_name: str | None, job: str | None, as_json: bool) -> None:
     if not selected:
         console.print("no training runs" + (f" for job {job}" if job else ""))
         return
-    t = Table("run", "job", "trainer", "status", "step", "loss", "acc@1", "tokens/s", "exit",
-              "duration (s)", "checkpoints", "updated")
+    rows = []
     for run in selected:
         m = run.get("metrics") or {}
         by_pos = m.get("accuracy_by_position") or [None]
         status = run.status + (f" ({run.get('phase')})" if run.status == runs.RUNNING
                                and run.get("phase") else "")
-        t.add_row(run.run, run.job, run.trainer, status, _fmt(m.get("step")),
-                  _fmt(m.get("loss"), ".4f"), _fmt(by_pos[0], ".3f"),
-                  _fmt(m.get("tokens_per_s"), ",.0f"), _fmt(run.get("exit_code")),
-                  _fmt(run.get("duration_s"), ".0f"),
-                  str(len(run.get("checkpoints") or [])),
-                  _ago(run.get("finished_at") or run.get("started_at") or run.get("created_at")))
+        rows.append({"run": run.run, "job": run.job, "trainer": run.trainer, "status": status,
+                     "step": _fmt(m.get("step")), "loss": _fmt(m.get("loss"), ".4f"),
+                     "acc@1": _fmt(by_pos[0], ".3f"), "tokens/s": _fmt(m.get("tokens_per_s"), ",.0f"),
+                     "exit": _fmt(run.get("exit_code")), "duration (s)": _fmt(run.get("duration_s"), ".0f"),
+                     "checkpoints": str(len(run.get("checkpoints") or [])),
+                     "updated": _ago(run.get("finished_at") or run.get("started_at")
+                                     or run.get("created_at"))})
+    t = Table()
+    shown = _columns_that_fit(rows, console.width)
+    for col in shown:
+        t.add_column(col, overflow="fold")
+    for row in rows:
+        t.add_row(*(row[col] for col in shown))
     console.print(t)
+    if len(shown) < len(COLUMNS):
+        console.print(f"(not shown at {console.width} columns: "
+                      f"{', '.join(c for c in COLUMNS if c not in shown)}; "
+                      "train-status --run RUN or --json has everything)", highlight=False)
+
+
+# The list's columns, most important first: at a terminal's width the first ones that fit are
+# shown (a run's every field: --run RUN, or --json), rather than every cell cut to "qwe...".
+COLUMNS = ("run", "status", "step", "loss", "acc@1", "updated", "tokens/s", "exit",
+           "checkpoints", "job", "trainer", "duration (s)")
+ALWAYS = 4  # run, status, step, loss: shown even when they do not fit (cells then wrap)
+
+
+def _columns_that_fit(rows: list[dict], width: int) -> list[str]:
+    """The columns, in COLUMNS order, whose natural widths fit in `width` (rich's default box:
+    a border before each column and after the last, one space of padding each side)."""
+    shown, used = [], 1
+    for i, col in enumerate(COLUMNS):
+        need = max([len(col), *(len(row[col]) for row in rows)]) + 3
+        if i < ALWAYS or used + need <= width:
+            shown.append(col)
+            used += need
+    return shown
 
 
 def _detail(run) -> None:
     t = Table(title=f"training run {run.run}", show_header=False, box=None)
+    t.add_column("what", no_wrap=True)
+    t.add_column("value", overflow="fold")  # paths and the command wrap, never cut
     t.add_row("job", run.job)
     t.add_row("trainer", run.trainer)
     trigger = run.trigger + (f" ({run.min_rows:,} rows)" if run.trigger == "min-rows" else "")
