@@ -1,5 +1,6 @@
 """The model-based chaos test's driver (issue 14): a real deployment (its own Redis with AOF
-fsynced every second, two simulated SGLang servers, two pinned workers, beat) driven through a
+fsynced every second, S3 as moto's server behind a proxy that an action cuts for a while, two
+simulated SGLang servers, two pinned workers, beat) driven through a
 sequence of operator actions and faults drawn from a seed, with the invariants checked against a
 model after every step and at the end.
 
@@ -20,7 +21,8 @@ leave the state the table says.
 Invariants, after each step (and while a fault is held, every half second):
 - the job's total is exactly the model's ids;
 - status accounts for every prompt: pending + in_flight + completed + failed == total (the
-  snapshot's reads are not one transaction, so a mismatch must persist for 3 s to count);
+  snapshot reads its counts in one transaction: a mismatch is counted and reported, and one that
+  lasts 3 s fails);
 - the counters agree with the ledger: completed == |done set|, failed == |failed registry|;
 - every id is shipped at most once, beyond the rows that `regenerate` replaced (the old row of a
   regenerated prompt stays in its batch; it must have the finish reason that was regenerated);
@@ -37,6 +39,7 @@ import json
 import random
 import signal
 import subprocess
+import threading
 import time
 import traceback
 from collections import Counter, defaultdict
@@ -47,6 +50,8 @@ import httpx
 import redis
 
 from conftest import Cluster, write_jsonl
+from s3support import MotoServer, TcpProxy, s3_env
+from s3support import storage as s3_storage
 from support import AofRedis, wait_until
 
 from dflash_tasks import lifecycle
@@ -70,11 +75,11 @@ WEIGHTS = {
     "enqueue_new": 3.0, "enqueue_again": 2.0, "pause": 2.0, "resume": 2.0, "cancel": 1.0,
     "set": 2.0, "regenerate": 1.5, "retry_failed": 1.0, "delete": 1.0,
     "kill_worker": 1.5, "term_worker": 1.0, "server_down": 1.5, "redis_restart": 1.0,
-    "beat_restart": 0.5, "wait": 1.0,
+    "beat_restart": 0.5, "s3_down": 1.0, "wait": 1.0,
 }
 # The fields of a job's config that a refused command must leave as they were.
 SETTINGS_FIELDS = ("params", "gpus", "dataset", "created_at")
-FAULTS = {"kill_worker", "term_worker", "server_down", "redis_restart", "beat_restart"}
+FAULTS = {"kill_worker", "term_worker", "server_down", "redis_restart", "beat_restart", "s3_down"}
 
 
 class ChaosFailure(AssertionError):
@@ -163,21 +168,30 @@ def replay_command(seed: int, steps: int, skip: frozenset = frozenset()) -> str:
 
 
 class Deployment:
-    """Redis (AOF, everysec: the deployed setting), two simulated servers, two workers, beat;
-    every process through the Cluster fixture's helpers."""
+    """Redis (AOF, everysec: the deployed setting), S3 (moto's server, behind a proxy the
+    `s3_down` action cuts), two simulated servers, two workers, beat; every process through the
+    Cluster fixture's helpers."""
 
     def __init__(self, tmp: Path, cfg: ChaosConfig):
         self.tmp = tmp
         self.redis = AofRedis(tmp, appendfsync="everysec")
         self.redis.start()
-        self.c = Cluster(tmp, self.redis.url, **cfg.settings)
+        self.moto = MotoServer(tmp / "logs" / "00-moto.log")
+        self.moto.create_bucket()
+        self.s3 = TcpProxy(self.moto.port).start()
+        self.s3_back: threading.Timer | None = None
+        env, s3_settings = s3_env(self.s3.url)
+        self.storage = s3_storage(self.moto.url)  # the checks read S3 directly, never cut
+        self.c = Cluster(tmp, self.redis.url, **cfg.settings, **s3_settings)
+        self.c.env.update(env)
         for gpu in range(GPUS):
             self.c.start_server(gpu, *SIM_ARGS, "--seed", str(cfg.seed * 10 + gpu))
         for gpu in range(GPUS):
             self.start_worker(gpu)
         self.c.start_beat()
         from dflash_tasks.settings import Settings
-        self.settings = Settings(redis_url=self.redis.url, output_dir=self.c.output_dir)
+        self.settings = Settings(redis_url=self.redis.url, output_dir=self.c.output_dir,
+                                 s3_uri=s3_settings["s3_uri"])
 
     def start_worker(self, gpu: int) -> None:
         proc = self.c.start_worker(gpu)
@@ -201,10 +215,22 @@ class Deployment:
                     raise
                 time.sleep(0.2)
 
+    def s3_up(self) -> None:
+        """End an S3 outage now (idempotent)."""
+        if self.s3_back is not None:
+            self.s3_back.cancel()
+            self.s3_back = None
+        if self.s3._listener is None:
+            self.s3.start()
+
     def stop(self) -> None:
         try:
             self.c.stop()
         finally:
+            if self.s3_back is not None:
+                self.s3_back.cancel()
+            self.s3.stop()
+            self.moto.stop()
             self.redis.stop()
 
 
@@ -530,6 +556,15 @@ class Sequence:
         self.d.redis.start()
         step.outcome = "restarted"
 
+    def do_s3_down(self, step: Step, u: list[float]) -> None:
+        seconds = round(2 + u[0] * 13, 1)
+        step.args = {"seconds": seconds}
+        self.d.s3_up()  # one outage at a time
+        self.d.s3.stop()  # refuses connections, cuts the open ones; moto keeps its objects
+        self.d.s3_back = threading.Timer(seconds, self.d.s3_up)
+        self.d.s3_back.start()
+        step.outcome = "down"   # it comes back by itself; the next steps run meanwhile
+
     def do_beat_restart(self, step: Step, u: list[float]) -> None:
         step.args = {}
         self.d.c.beat.kill()
@@ -597,10 +632,9 @@ class Sequence:
 
     def shipped(self, job: str) -> list[dict]:
         from dflash_tasks.batches import read_batch, read_manifest
-        from dflash_tasks.storage import LocalStorage
 
-        storage = LocalStorage(self.d.c.output_dir)
-        if not (self.d.c.output_dir / job / "manifest.json").exists():
+        storage = self.d.storage
+        if not storage.exists(f"{job}/manifest.json"):
             return []
         manifest = read_manifest(storage, job)
         return [row for record in manifest["batches"] for row in read_batch(storage, record)]
@@ -726,7 +760,8 @@ class Sequence:
 
     # ------------------------------------------------------------------ the end
     def restore(self) -> None:
-        """Stop the faults: every worker and beat running, every server answering."""
+        """Stop the faults: every worker and beat running, every server answering, S3 up."""
+        self.d.s3_up()
         for gpu in range(GPUS):
             if not self.d.c.workers[gpu].alive():
                 self.d.start_worker(gpu)

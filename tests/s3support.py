@@ -106,6 +106,10 @@ class TcpProxy:
 
     def stop(self) -> None:
         if self._listener is not None:
+            try:  # wakes the thread blocked in accept(), which otherwise keeps the port bound
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
             self._listener = None
         with self._lock:

@@ -136,7 +136,7 @@ def test_beat_does_not_mark_done_a_job_that_got_prompts_since_its_snapshot(tmp_p
 def test_an_outcome_after_delete_writes_nothing(tmp_path, redis_url):
     """A paused job deleted while one of its requests still runs: that request's row, failure or
     retry arrives after the delete and must not bring the job's keys back (found by the chaos
-    test: `make chaos SEED=206 STEPS=13`)."""
+    test)."""
     import redis
 
     from dflash_tasks.ledger import Ledger
