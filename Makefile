@@ -41,13 +41,14 @@ bench: install
 # The long model-based chaos run (tests/chaos.py; make test runs two short sequences): random
 # operator actions and faults on a real deployment, the invariants checked after every step; it
 # writes test-artifacts/chaos-report.md and .json. A failure prints the command that replays it.
-#   make chaos SEED=300 STEPS=40 MINUTES=30 [SKIP=redis_restart,...]
+#   make chaos SEED=300 STEPS=40 MINUTES=30 [SKIP=redis_restart,...] [KEEP_GOING=1]
 SEED ?= 1
 STEPS ?= 40
 MINUTES ?= 0
 SKIP ?=
+KEEP_GOING ?=
 chaos: install
-	$(PY) tools/chaos.py --seed $(SEED) --steps $(STEPS) --minutes $(MINUTES) $(if $(SKIP),--skip $(SKIP))
+	$(PY) tools/chaos.py --seed $(SEED) --steps $(STEPS) --minutes $(MINUTES) $(if $(SKIP),--skip $(SKIP)) $(if $(KEEP_GOING),--keep-going)
 
 clean:
 	rm -rf $(VENV) output test-artifacts
