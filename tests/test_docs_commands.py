@@ -82,7 +82,7 @@ def blocks(doc: Path) -> list[Block]:
             j -= 1
         i += 1
         body = []
-        while i < len(lines) and not re.match(rf"^\s*```\s*$", lines[i]):
+        while i < len(lines) and not re.match(r"^\s*```\s*$", lines[i]):
             body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
             i += 1
         out.append(Block(doc, start + 1, tag, body, markers))

@@ -89,3 +89,31 @@ def test_tables_read_at_80_columns_and_piped(redis_url, tmp_path):
     assert "not shown at 80 columns" in listing and "--json" in listing
     whole = json.loads(_manage(env, "train-status", "--json"))
     assert {run["run"] for run in whole} == {f"{job}-train-1", f"{job}-train-2"}
+
+
+def test_generation_parameters_out_of_range_are_refused_naming_the_option_and_its_range(redis_url):
+    """A cap of a billion tokens or a temperature of 1e9 would fail every prompt at the servers:
+    enqueue and set refuse them (exit 2) and change nothing."""
+    env = {**os.environ, "DFLASH_REDIS_URL": redis_url}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    manage = os.path.join(os.path.dirname(sys.executable), "manage.py")
+    dataset = os.path.join(root, "examples", "prompts.jsonl")
+    r = redis.Redis.from_url(redis_url)
+    cases = [("--max-output-tokens", "1000000000", "1<=x<=131072"),
+             ("--temperature", "1e9", "0<=x<=2"), ("--temperature", "nan", "finite"),
+             ("--top-p", "1.5", "0<x<=1"), ("--top-k", "0", "-1 (off) or at least 1")]
+    for option, value, said in cases:
+        result = subprocess.run([manage, "enqueue", "--dataset", dataset, "--job", "j", "--gpus", "1",
+                                 option, value], env=env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and option in result.stderr and said in result.stderr, \
+            (option, value, result.stderr)
+        assert r.keys("*") == []  # nothing was created
+    _manage(env, "enqueue", "--dataset", dataset, "--job", "j", "--gpus", "1", "--limit", "2",
+            "--max-output-tokens", "131072", "--temperature", "2")
+    before = json.loads(_manage(env, "status", "--job", "j", "--json"))["params"]
+    assert (before["max_tokens"], before["temperature"]) == (131072, 2.0)
+    for option, value, said in cases:
+        result = subprocess.run([manage, "set", "--job", "j", option, value], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and option in result.stderr and said in result.stderr
+    assert json.loads(_manage(env, "status", "--job", "j", "--json"))["params"] == before

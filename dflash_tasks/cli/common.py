@@ -1,6 +1,8 @@
 """What every command shares: consoles, and Redis and job look-ups that fail with a clear message."""
 from __future__ import annotations
 
+import math
+
 import click
 import redis
 from rich.console import Console
@@ -10,6 +12,46 @@ from ..settings import get_settings, redact_url
 
 console = Console()
 err_console = Console(stderr=True)
+
+# Bounds of the generation parameters, checked when a job is enqueued or changed, so a typo is
+# refused with the option and its range instead of failing every prompt at the servers.
+# 131,072 is the longest context of a Qwen3 model (32,768 native, x4 with YaRN): no request can
+# generate more. Temperature: the OpenAI API's range, which SGLang serves; Qwen3's thinking mode
+# samples at 0.6. top_k: -1 turns it off, otherwise at least 1 (SGLang refuses 0).
+MAX_OUTPUT_TOKENS = 131_072
+MAX_TEMPERATURE = 2.0
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange lets nan through (every comparison with it is false)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number in the range {self._describe_range()}",
+                      param, ctx)
+        return number
+
+
+def _top_k(ctx, param, value):
+    if value is not None and (value == 0 or value < -1):
+        raise click.BadParameter(f"{value} is not a valid top-k: -1 (off) or at least 1")
+    return value
+
+
+def generation_options(f):
+    """--max-output-tokens, --temperature, --top-p and --top-k with their bounds (help shows them)."""
+    for option in reversed([
+        click.option("--max-output-tokens", type=click.IntRange(min=1, max=MAX_OUTPUT_TOKENS),
+                     help=f"Cap on generated tokens, 1 to {MAX_OUTPUT_TOKENS:,} [8192]."),
+        click.option("--temperature", type=FiniteFloatRange(min=0, max=MAX_TEMPERATURE),
+                     help=f"Sampling temperature, 0 to {MAX_TEMPERATURE:g} [0.6]."),
+        click.option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True),
+                     help="Nucleus sampling, over 0 up to 1 [0.95]."),
+        click.option("--top-k", type=int, callback=_top_k, help="-1 (off) or at least 1 [20]."),
+    ]):
+        f = option(f)
+    return f
 
 
 def redis_or_fail() -> redis.Redis:

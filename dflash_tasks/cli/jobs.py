@@ -6,7 +6,7 @@ import click
 from rich.table import Table
 
 from .. import jobs
-from .common import changed_meanwhile, allowed_or_fail, change_state, console, job_or_fail, redis_or_fail
+from .common import generation_options, changed_meanwhile, allowed_or_fail, change_state, console, job_or_fail, redis_or_fail
 
 
 @click.command("jobs")
@@ -65,10 +65,7 @@ def cancel(name: str) -> None:
 
 @click.command("set")
 @click.option("--job", "name", required=True)
-@click.option("--max-output-tokens", type=click.IntRange(min=1))
-@click.option("--temperature", type=click.FloatRange(min=0))
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True))
-@click.option("--top-k", type=int)
+@generation_options
 @click.option("--thinking/--no-thinking", default=None)
 def set_params(name: str, max_output_tokens, temperature, top_p, top_k, thinking) -> None:
     """Change the job's generation parameters for every prompt not yet sent to a server,

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from .. import jobs, lifecycle
 from ..settings import get_settings
-from .common import allowed_or_fail, console, err_console, job_or_fail, redis_or_fail
+from .common import generation_options, allowed_or_fail, console, err_console, job_or_fail, redis_or_fail
 
 
 # -- enqueue ------------------------------------------------------------------------------------
@@ -21,10 +21,7 @@ from .common import allowed_or_fail, console, err_console, job_or_fail, redis_or
 @click.option("--dataset", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file of prompts.")
 @click.option("--job", "name", required=True, help="Job name; enqueue the same job again to resume.")
-@click.option("--max-output-tokens", type=click.IntRange(min=1), help="Cap on generated tokens [8192].")
-@click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature [0.6].")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), help="[0.95]")
-@click.option("--top-k", type=int, help="[20]")
+@generation_options
 @click.option("--thinking/--no-thinking", default=None, help="Qwen3 thinking mode [on].")
 @click.option("--limit", type=click.IntRange(min=1), help="Only the first N valid prompts.")
 @click.option("--gpus", type=click.IntRange(min=1),
