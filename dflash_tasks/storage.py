@@ -21,6 +21,12 @@ from urllib.parse import urlsplit
 from .settings import Settings, redact_url
 
 
+# The process's umask, read once (os.umask can only be read by setting it): files are created
+# with the permissions any other file of the process gets (0644 under the usual 022).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 class StorageError(RuntimeError):
     """A storage operation failed; the message names the object's location, never a credential."""
 
@@ -58,6 +64,7 @@ class LocalStorage:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep the data from its readers
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()

@@ -117,3 +117,16 @@ def test_generation_parameters_out_of_range_are_refused_naming_the_option_and_it
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and option in result.stderr and said in result.stderr
     assert json.loads(_manage(env, "status", "--job", "j", "--json"))["params"] == before
+
+
+def test_stored_files_are_readable_as_any_other_file_of_the_process(tmp_path):
+    """Batches, manifests and progress.json (LocalStorage.put, through mkstemp) were 0600: a
+    training job running as another user could not read them."""
+    from dflash_tasks.storage import LocalStorage
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    LocalStorage(tmp_path).put("job/batches/batch-1-0.jsonl.zst", b"rows")
+    LocalStorage(tmp_path).put("job/manifest.json", b"{}")
+    for path in ("job/batches/batch-1-0.jsonl.zst", "job/manifest.json"):
+        assert (tmp_path / path).stat().st_mode & 0o777 == 0o666 & ~umask, path
