@@ -27,7 +27,7 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
     from ..celery_app import app
     from ..connections import ledger
     from ..continuation import entry_from_row
-    from ..storage import storage_for
+    from ..storage import StorageError, storage_for
 
     r = redis_or_fail()
     job = job_or_fail(r, name)
@@ -48,25 +48,36 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
                 saved += kept
         batch.clear()
 
-    for row in iter_newest_rows(r, storage_for(get_settings()), name):
-        if row["metadata"]["finish_reason"] != finish_reason:
-            continue
-        if continue_output and finish_reason == "length" and row["metadata"]["completion_tokens"] >= cap:
-            raise click.UsageError(
-                f"row {row['id']} already has {row['metadata']['completion_tokens']:,} tokens and the "
-                f"job's max_tokens is {cap:,}: raise it first (manage.py set --job {name} "
-                "--max-output-tokens N), then continue")
-        batch.append((row, entry_from_row(row, continue_output=continue_output)))
-        if len(batch) >= CHUNK:
-            flush()
-        if limit and reopened + len(batch) >= limit:
-            break
+    try:
+        for row in iter_newest_rows(r, storage_for(get_settings()), name):
+            if row["metadata"]["finish_reason"] != finish_reason:
+                continue
+            if continue_output and finish_reason == "length" and row["metadata"]["completion_tokens"] >= cap:
+                raise click.UsageError(
+                    f"row {row['id']} already has {row['metadata']['completion_tokens']:,} tokens and "
+                    f"the job's max_tokens is {cap:,}: raise it first (manage.py set --job {name} "
+                    "--max-output-tokens N), then continue")
+            batch.append((row, entry_from_row(row, continue_output=continue_output)))
+            if len(batch) >= CHUNK:
+                flush()
+            if limit and reopened + len(batch) >= limit:
+                break
+        failure = None
+    except StorageError as exc:
+        # The rows read so far are queued again (the job runs them like any other); running it
+        # again once the storage answers takes the rest: a prompt already taken back is no
+        # longer done, so it is not taken twice.
+        failure = exc
     flush()
     if reopened and job.status == "done":
         jobs.transition(r, name, "done", "running")  # the lifecycle: a done job with work runs
     if reopened and jobs.load(r, name).status == "running":
         for gpu in range(job.gpus):
             dispatch.topup(app, name, gpu)
+    if failure is not None:
+        raise click.ClickException(
+            f"{failure}; {reopened:,} prompts were queued again before it: run the same command "
+            "again once the storage answers")
     console.print(f"job {name}: {reopened:,} prompts with finish_reason {finish_reason!r} queued "
                   f"again at max_tokens {cap:,}")
     if continue_output:
