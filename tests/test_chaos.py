@@ -11,16 +11,19 @@ import pytest
 
 from chaos import ChaosConfig, Sequence, Stats
 
-# Two sequences of 8 steps: about a minute each on 2 cores. CHAOS_SEED moves them.
-BASE_SEED = int(os.environ.get("CHAOS_SEED", "1"))
+# Two sequences of 8 steps, about a minute and a half each on 2 cores. Seeds 17 and 21 draw, between
+# them, a Redis restart, a SIGKILL and a SIGTERM of a worker, a server and S3 down, pause,
+# regenerate and retry-failed (the draws depend only on the seed: tests/chaos.py). CHAOS_SEEDS
+# and CHAOS_STEPS change them.
+SEEDS = [int(seed) for seed in os.environ.get("CHAOS_SEEDS", "17,21").split(",")]
 STEPS = int(os.environ.get("CHAOS_STEPS", "8"))
 # Action kinds the short version leaves out while a known production bug makes them fail every
 # time (see the report of the chaos test); empty when none.
 SHORT_SKIP = frozenset(k for k in os.environ.get("CHAOS_SKIP", "").split(",") if k)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("seed", [BASE_SEED, BASE_SEED + 1])
+@pytest.mark.timeout(540)  # its own bounds are tighter; this one only stops a hang
+@pytest.mark.parametrize("seed", SEEDS)
 def test_chaos_sequence(tmp_path, seed):
     cfg = ChaosConfig(seed=seed, steps=STEPS, skip=SHORT_SKIP)
     Sequence(tmp_path, cfg, Stats()).run()
