@@ -214,11 +214,14 @@ def test_s3_unreachable_for_a_while_then_back(cluster, moto, tmp_path):
     proxy.stop()
     try:
         result = c.manage("regenerate", "--job", "outage", "--finish-reason", "length", check=False)
+        stats = c.manage("stats", "--job", "outage", check=False)  # any command reading batches
     finally:
         proxy.start()
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "S3 download" in result.stderr and "run the same command again" in result.stderr
     assert c.status("outage")["status"] == "done"
+    assert stats.returncode == 1 and "Traceback" not in stats.stderr, stats.stderr
+    assert "the output storage did not answer" in stats.stderr
 
 
 def test_two_beats_at_once_corrupt_nothing(cluster, moto, tmp_path, request):

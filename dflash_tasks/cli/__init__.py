@@ -52,4 +52,13 @@ def cli() -> None:
 
 
 def main() -> None:
-    cli(prog_name="manage.py")
+    from ..storage import StorageError
+
+    try:
+        cli(prog_name="manage.py")
+    except StorageError as exc:
+        # The output storage does not answer (S3 cut, a bucket that vanished): a command that
+        # reads the shipped batches says so and which object, instead of a traceback.
+        click.echo(f"Error: {exc}; the output storage did not answer: try again once it does",
+                   err=True)
+        raise SystemExit(1) from None
