@@ -17,6 +17,7 @@ from .settings import get_settings, redact_url
 log = logging.getLogger(__name__)
 _GPU_QUEUE = re.compile(r"^gpu(\d+)$")
 HEALTH_WAIT_S = float(os.environ.get("DFLASH_HEALTH_WAIT_S", "3600"))
+HEALTH_WARN_EVERY_S = 60.0
 
 
 def gpus_consumed(app) -> list[int]:
@@ -32,13 +33,17 @@ def _wait_for_servers(sender, instance, conf, **_):
         url = get_settings().sglang_url_for(gpu)
         client = SGLangClient(url)
         started = time.monotonic()
+        next_warning = 0.0
         while not client.healthy():
             waited = time.monotonic() - started
             if waited > HEALTH_WAIT_S:
                 log.error("gpu%d: %s still not healthy after %.0fs; taking work anyway",
                           gpu, redact_url(url), waited)
                 break
-            log.warning("gpu%d: waiting for SGLang at %s/health (%.0fs)", gpu, redact_url(url), waited)
+            if waited >= next_warning:  # a server loads for minutes: a line a minute, not every poll
+                log.warning("gpu%d: waiting for SGLang at %s/health (%.0fs)", gpu, redact_url(url),
+                            waited)
+                next_warning = waited + HEALTH_WARN_EVERY_S
             time.sleep(2.0)
         client.close()
         _register(gpu, instance.concurrency, sender, url)

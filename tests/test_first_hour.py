@@ -130,3 +130,24 @@ def test_stored_files_are_readable_as_any_other_file_of_the_process(tmp_path):
     LocalStorage(tmp_path).put("job/manifest.json", b"{}")
     for path in ("job/batches/batch-1-0.jsonl.zst", "job/manifest.json"):
         assert (tmp_path / path).stat().st_mode & 0o777 == 0o666 & ~umask, path
+
+
+def test_a_worker_waiting_for_its_server_says_so_once_a_minute(redis_url, tmp_path):
+    """A server loading a model takes minutes: the worker's "waiting for SGLang" line used to
+    repeat every 2 s (336 lines in 11 minutes)."""
+    import time
+
+    from conftest import Cluster
+    from support import Proc, free_port, python, wait_until
+
+    c = Cluster(tmp_path, redis_url)
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    worker = Proc(python("manage.py", "worker", "--gpu", "0", "--sglang-url", closed,
+                         "--concurrency", "2"), tmp_path / "worker.log", env=c.env)
+    try:
+        wait_until(lambda: "waiting for SGLang" in worker.log(), timeout=60,
+                   what="the first waiting line")
+        time.sleep(8)  # four more polls of /health: the time it covers is what is checked
+        assert worker.log().count("waiting for SGLang") == 1, worker.log()[-2000:]
+    finally:
+        worker.stop()
