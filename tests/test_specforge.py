@@ -289,7 +289,7 @@ def test_a_conversations_run_leaves_truncated_rows_out_unless_asked(tmp_path, sh
 
     default = kept("specforge-conversations", dict(spec.COMMAND_DEFAULTS), "default")
     assert default and not default & truncated
-    dropped = [json.loads(x) for x in (tmp_path / "default" / "dropped.jsonl").read_text().splitlines()]
+    dropped = [json.loads(x) for x in (tmp_path / "default" / "conversations.dropped.jsonl").read_text().splitlines()]
     assert {d["id"] for d in dropped if d["reason"] == "truncated"} == truncated
     asked = kept("specforge-conversations", {"keep_truncated": True}, "asked")
     assert asked & truncated and default < asked

@@ -23,6 +23,7 @@ from dflash_tasks.jobs import GenerationParams
 from dflash_tasks.rows import build_row
 from dflash_tasks.sglang.client import SGLangClient
 from dflash_tasks.sim import tokens as sim
+from dflash_tasks.training_data.exports import report_files
 from dflash_tasks.training_data.gate import Report, Rules, Thresholds, check_row
 from dflash_tasks.training_data.tokens import (ChatTemplate, compare, from_server_ids,
                                                tokenize_row)
@@ -299,8 +300,9 @@ def test_pipeline_rows_pass_validate_and_export_in_every_format(cluster, tmp_pat
         dest = tmp_path / fmt
         out = c.manage("export", "--job", "td", "--format", fmt, "--to", str(dest)).stdout
         assert "dropped: truncated" in out
-        summary = json.loads((dest / "export_report.json").read_text())
-        dropped = [json.loads(line) for line in (dest / "dropped.jsonl").read_text().splitlines()]
+        report_name, dropped_name = report_files(fmt)
+        summary = json.loads((dest / report_name).read_text())
+        dropped = [json.loads(line) for line in (dest / dropped_name).read_text().splitlines()]
         assert summary["kept"] + len(dropped) == 52
         assert {d["id"] for d in dropped if d["reason"] == "truncated"} == \
             {i for i, r in rows.items() if r["status"] == "truncated"}
@@ -327,7 +329,14 @@ def test_pipeline_rows_pass_validate_and_export_in_every_format(cluster, tmp_pat
     # --keep-truncated keeps them, and the default export (the batches) is unchanged.
     kept = c.manage("export", "--job", "td", "--format", "specforge-tokenized", "--keep-truncated",
                     "--min-loss-tokens", "0", "--to", str(tmp_path / "all"))
-    assert json.loads((tmp_path / "all" / "export_report.json").read_text())["kept"] == 52, kept.stdout
+    assert json.loads((tmp_path / "all" / "tokenized.export_report.json").read_text())["kept"] == 52, \
+        kept.stdout
+    # Two formats into one directory: each keeps its own report and dropped ids.
+    c.manage("export", "--job", "td", "--format", "specforge-conversations", "--to", str(tmp_path / "all"))
+    assert json.loads((tmp_path / "all" / "tokenized.export_report.json").read_text())["kept"] == 52
+    both = {fmt: json.loads((tmp_path / "all" / report_files(fmt)[0]).read_text())
+            for fmt in ("specforge-tokenized", "specforge-conversations")}
+    assert {fmt: r["format"] for fmt, r in both.items()} == {f: f for f in both}
     c.manage("export", "--job", "td", "--to", str(tmp_path / "raw"))
     assert (tmp_path / "raw" / "manifest.json").exists()
     # ... and what it downloaded can be checked where it lies, with no Redis and no S3.

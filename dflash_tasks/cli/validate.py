@@ -218,7 +218,7 @@ def export_format(name: str, dest: Path, source: str | None, *, fmt: str, tokeni
     """The training formats of `manage.py export` (called from cli/output.py)."""
     from ..batches import ChecksumMismatch
     from ..storage import StorageError
-    from ..training_data.exports import export_training
+    from ..training_data.exports import export_training, report_files
     from ..training_data.gate import REASONS, Rules
     from ..training_data.reader import NoManifest
 
@@ -251,8 +251,9 @@ def export_format(name: str, dest: Path, source: str | None, *, fmt: str, tokeni
     t.add_row("kept", f"{out.kept:,}")
     for reason, count in sorted(summary["dropped"].items(), key=lambda kv: -kv[1]):
         t.add_row(f"dropped: {reason}", f"{count:,}  ({REASONS[reason]})")
-    t.add_row("report", str(Path(dest) / "export_report.json") + ", dropped ids in "
-              + str(Path(dest) / "dropped.jsonl"))
+    report_name, dropped_name = report_files(fmt)
+    t.add_row("report", str(Path(dest) / report_name) + ", dropped ids in "
+              + str(Path(dest) / dropped_name))
     if fmt == "specforge-conversations" and out.kept:
         from ..train_queue.specforge import HandoffError, template_for
 
@@ -267,4 +268,4 @@ def export_format(name: str, dest: Path, source: str | None, *, fmt: str, tokeni
     console.print(t)
     if out.kept == 0:
         raise click.ClickException(f"no row of job {name} passed the rules: nothing to train on "
-                                   "(see export_report.json)")
+                                   f"(see {report_name})")

@@ -11,8 +11,10 @@ training reads:
 - `parquet`: one file with `id`, `conversations`, `status`, `input_ids`, `loss_mask` and the
   generation metadata, for `datasets.load_dataset("parquet", ...)`.
 
-Every format writes, beside its data file, `export_report.json` (rows read, kept, dropped per
-reason, the gate's figures) and `dropped.jsonl` (`{"id", "reason"}` per dropped row). Files are
+Every format writes, beside its data file, `<stem>.export_report.json` (rows read, kept, dropped
+per reason, the gate's figures) and `<stem>.dropped.jsonl` (`{"id", "reason"}` per dropped row),
+named after its data file so that several formats exported to one directory keep their own
+(`tokenized.export_report.json` beside `tokenized.jsonl`). Files are
 written under a temporary name and renamed when complete. Rows come newest batch first (the
 newest copy of each id wins; see reader.py).
 """
@@ -35,6 +37,12 @@ FORMATS = ("specforge-conversations", "specforge-tokenized", "parquet")
 FILES = {"specforge-conversations": "conversations.jsonl",
          "specforge-tokenized": "tokenized.jsonl",
          "parquet": "train.parquet"}
+
+
+def report_files(fmt: str) -> tuple[str, str]:
+    """(export report, dropped ids) file names of format `fmt`, beside its data file."""
+    stem = FILES[fmt].split(".")[0]
+    return f"{stem}.export_report.json", f"{stem}.dropped.jsonl"
 
 
 @dataclass
@@ -194,7 +202,8 @@ def export_training(storage: Storage, job: str, fmt: str, dest: Path, rules: Rul
     report = Report(rules)
     path = dest / FILES[fmt]
     tmp = dest / f".{path.name}.partial"
-    dropped_tmp = dest / ".dropped.jsonl.partial"
+    report_name, dropped_name = report_files(fmt)
+    dropped_tmp = dest / f".{dropped_name}.partial"
     out = TrainingExport(job, fmt, path, report)
     parquet = _ParquetWriter(tmp) if fmt == "parquet" else None
     try:
@@ -221,14 +230,14 @@ def export_training(storage: Storage, job: str, fmt: str, dest: Path, rules: Rul
             parquet.close()
             parquet = None
         os.replace(tmp, path)
-        os.replace(dropped_tmp, dest / "dropped.jsonl")
+        os.replace(dropped_tmp, dest / dropped_name)
     finally:
         if parquet is not None:
             parquet.writer.close()
         for leftover in (tmp, dropped_tmp):
             leftover.unlink(missing_ok=True)
-    out.files = [path.name, "dropped.jsonl", "export_report.json"]
-    report_tmp = dest / ".export_report.json.partial"
+    out.files = [path.name, dropped_name, report_name]
+    report_tmp = dest / f".{report_name}.partial"
     report_tmp.write_text(json.dumps(out.summary(), indent=1))
-    os.replace(report_tmp, dest / "export_report.json")
+    os.replace(report_tmp, dest / report_name)
     return out
