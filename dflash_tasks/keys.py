@@ -14,6 +14,7 @@ WORKERS = f"{PREFIX}:workers"    # hash: "gpu3" -> JSON {concurrency, hostname, 
 BREAKERS = f"{PREFIX}:breakers"  # hash: "gpu3" -> JSON {state, consecutive_failures, last_error, ...}
 SERVERS = f"{PREFIX}:servers"    # hash: "gpu3" -> JSON of its SGLang server's /metrics sample
 WORKERS_SEEN = f"{PREFIX}:workers:seen"  # hash: "gpu3" -> Redis time of the worker's last heartbeat
+BEAT_SEEN = f"{PREFIX}:beat:seen"  # string: Redis time of beat's last tick (status: is beat running?)
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 

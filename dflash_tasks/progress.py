@@ -17,7 +17,7 @@ import redis
 
 from . import dispatch, jobs
 from .batches import latency_bucket_ms
-from .keys import SERVERS, WORKERS, WORKERS_SEEN, JobKeys
+from .keys import BEAT_SEEN, SERVERS, WORKERS, WORKERS_SEEN, JobKeys
 from .ledger import HIST_BUCKET_TOKENS
 from .settings import Settings
 from .training_data.monitor import latest_quality
@@ -80,13 +80,14 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
     pipe.hgetall(k.storage_error)
     pipe.hgetall(WORKERS_SEEN)
     pipe.hgetall(SERVERS)
+    pipe.get(BEAT_SEEN)
     for gpu in range(job.gpus):
         pipe.zcard(k.inflight(gpu))
     retrying_gpus = [g for g in range(job.gpus) if waiting_candidates.get(g)]
     for gpu in retrying_gpus:
         pipe.zmscore(k.inflight(gpu), waiting_candidates[gpu])
     (counters_raw, pending, unsealed, rate_raw, workers_raw, sealing, storage_error, seen_raw,
-     servers_raw, *rest) = pipe.execute()
+     servers_raw, beat_seen, *rest) = pipe.execute()
     waiting = [0] * job.gpus
     for gpu, scores in zip(retrying_gpus, rest[job.gpus:]):
         waiting[gpu] = len({i for i, score in zip(waiting_candidates[gpu], scores) if score is not None})
@@ -202,6 +203,9 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
                    "top_p": job.params.top_p, "top_k": job.params.top_k,
                    "enable_thinking": job.params.enable_thinking},
         "gpus": gpus,
+        # Seconds since beat's last tick (None: never). Without beat nothing is sealed, shipped
+        # or marked done: `status` says so.
+        "beat_age_s": round(now - float(beat_seen), 1) if beat_seen else None,
         "quality": latest_quality(r, name),  # training data: see training_data/monitor.py
         "updated_at": round(time.time(), 3),
     }

@@ -151,3 +151,24 @@ def test_a_worker_waiting_for_its_server_says_so_once_a_minute(redis_url, tmp_pa
         assert worker.log().count("waiting for SGLang") == 1, worker.log()[-2000:]
     finally:
         worker.stop()
+
+
+def test_status_says_when_beat_is_not_running(redis_url, tmp_path):
+    """Workers without beat (launch_node.py starts none) generate rows that nothing seals: the
+    job stayed "running" with rows waiting and no hint. status now says what is missing."""
+    from conftest import Cluster, write_jsonl
+    from support import wait_until
+
+    c = Cluster(tmp_path, redis_url)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"b{i}", "prompt": f"q {i}"} for i in range(5)])
+    c.manage("enqueue", "--dataset", str(data), "--job", "nobeat")
+    out = " ".join(c.manage("status", "--job", "nobeat").stdout.split())
+    assert "no tick ever" in out and "start `manage.py beat`" in out
+    assert c.status("nobeat")["beat_age_s"] is None
+    try:
+        c.start_beat()
+        wait_until(lambda: c.status("nobeat")["beat_age_s"] is not None, timeout=30,
+                   what="beat's first tick")
+        assert "manage.py beat" not in c.manage("status", "--job", "nobeat").stdout
+    finally:
+        c.stop()

@@ -388,6 +388,8 @@ class Launcher:
         self.event(None, f"pid={os.getpid()} gpus={self.args.gpu_list} "
                          f"{'simulated servers' if self.args.simulate else 'model=' + self.args.model_path} "
                          f"base_port={self.args.base_port} workers={'no' if self.args.no_workers else 'yes'}")
+        self.event(None, "this launcher starts no beat: run `manage.py beat` once per deployment "
+                         "(it seals batches, writes progress.json and marks jobs done)")
         if self.args.simulate and speculative_args(self.args):
             self.event(None, "--simulate: the --speculative-* options are ignored")
         try:

@@ -144,6 +144,11 @@ def _bar(fraction: float, width: int = 30) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
+def _beat_ticking(age_s: float | None) -> bool:
+    """Beat ticks every progress_interval_s; a few missed ticks are a busy control worker."""
+    return age_s is not None and age_s < max(30.0, 6 * get_settings().progress_interval_s)
+
+
 def _status_table(snap: dict, width: int | None = None) -> Table:
     """The run at a glance: the same figures as progress.json, for a terminal. Labels are short
     and the bar narrows with the terminal, so at 80 columns (or piped: rich's 80) every figure
@@ -176,6 +181,11 @@ def _status_table(snap: dict, width: int | None = None) -> Table:
                          f"{snap['unsealed_rows']:,} rows waiting")
     if snap.get("storage_error"):
         t.add_row("[red]storage error[/]", str(snap["storage_error"].get("error")))
+    if snap["status"] in ("running", "cancelled") and not _beat_ticking(snap.get("beat_age_s")):
+        age = snap.get("beat_age_s")
+        t.add_row("[red]beat[/]", ("no tick ever" if age is None else f"no tick for {age:,.0f} s")
+                  + ": nothing is sealed, shipped or marked done; start `manage.py beat` (one per "
+                    "deployment)")
     for gpu, g in snap["gpus"].items():
         alive = "[green]alive[/]" if g.get("alive") else "[red]no heartbeat[/]"
         t.add_row(gpu, f"{g['worker'] or '-'} {alive}: {g['completed']:,} done, "

@@ -12,7 +12,7 @@ from .. import dispatch, jobs
 from ..batches import BatchPolicy, BatchWriter, progress_key
 from ..celery_app import app
 from ..connections import ledger, redis_client
-from ..keys import JobKeys
+from ..keys import BEAT_SEEN, JobKeys
 from ..locks import HeldLock, LockLost
 from ..progress import is_finished, prune_rate, snapshot
 from ..settings import get_settings
@@ -138,6 +138,8 @@ def _each_job(r, work) -> None:
 @app.task(name="dflash_tasks.tick", ignore_result=True)
 def tick() -> None:
     r = redis_client()
+    seconds, micros = r.time()
+    r.set(BEAT_SEEN, f"{seconds + micros / 1e6:.3f}")  # status says when beat is not running
 
     def tick_if_active(job: jobs.Job) -> None:
         if job.status in ACTIVE or job.status == "cancelled" and not _settled(r, job):
