@@ -96,6 +96,9 @@ class JobKeys:
     def tick_lock(self) -> str:   # string with TTL: one beat tick (seal + progress.json) at a time
         return self._k("lock:tick")
 
+    def quality(self, part: str) -> str:  # training_data/monitor.py: cursor, window, sampled, ...
+        return self._k(f"quality:{part}")
+
     @property
     def storage_error(self) -> str:  # hash: error, since, last_at, failures (while storage fails)
         return self._k("storage_error")

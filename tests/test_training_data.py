@@ -369,3 +369,28 @@ def test_a_bad_run_shows_in_progress_json_within_its_first_ticks(cluster, tmp_pa
     alerts = " ".join(q["alerts"])
     assert "loss mask of exactly 4 tokens" in alerts and "empty answers" in alerts
     c.manage("cancel", "--job", "bad", "--yes")
+
+
+def test_the_quality_window_restarts_when_regenerate_supersedes_rows(redis_url):
+    """progress.json's quality.truncated_pct counted rows a regenerate had replaced (14% against
+    the job's 3%): after a regenerate the window holds only rows made since."""
+    import redis
+
+    from dflash_tasks.keys import JobKeys
+    from dflash_tasks.training_data.monitor import restart_window, sample_quality
+
+    r = redis.Redis.from_url(redis_url)
+
+    def add(n: int, reason: str) -> None:
+        for i in range(n):
+            row = {"id": f"{reason}{i}", "status": "completed", "conversations": [],
+                   "metadata": {"completion_tokens": 100, "prompt_tokens": 10, "finish_reason": reason}}
+            r.xadd(JobKeys("qw").output, {"id": row["id"], "row": json.dumps(row)})
+
+    add(10, "length")
+    add(10, "stop")
+    assert sample_quality(r, "qw")["truncated_pct"] == 50.0
+    restart_window(r, "qw")  # the 10 truncated rows are being generated again
+    add(10, "stop")
+    after = sample_quality(r, "qw")
+    assert after["window_rows"] == 10 and after["truncated_pct"] == 0.0

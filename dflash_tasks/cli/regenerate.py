@@ -69,6 +69,10 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
         # longer done, so it is not taken twice.
         failure = exc
     flush()
+    if reopened:
+        from ..training_data.monitor import restart_window
+
+        restart_window(r, name)  # its facts of the rows just superseded would still count
     if reopened and job.status == "done":
         jobs.transition(r, name, "done", "running")  # the lifecycle: a done job with work runs
     if reopened and jobs.load(r, name).status == "running":

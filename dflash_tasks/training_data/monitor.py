@@ -34,12 +34,18 @@ THRESHOLDS = Thresholds()
 
 def _keys(job: str) -> tuple[str, str, str, str]:
     k = JobKeys(job)
-    return (k._k("quality:cursor"), k._k("quality:window"), k._k("quality:sampled"),
-            k._k("quality:alerts"))
+    return k.quality("cursor"), k.quality("window"), k.quality("sampled"), k.quality("alerts")
 
 
 def _figures_key(job: str) -> str:
-    return JobKeys(job)._k("quality:figures")
+    return JobKeys(job).quality("figures")
+
+
+def restart_window(r, job: str) -> None:
+    """Empty the window (a regenerate superseded some of its rows: their facts would still count,
+    e.g. truncated rows already generated again); the next ticks fill it with rows made since."""
+    _, window_key, _, _ = _keys(job)
+    r.delete(window_key, _figures_key(job))
 
 
 def latest_quality(r, job: str) -> dict | None:
