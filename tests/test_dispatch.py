@@ -98,3 +98,21 @@ def test_end_game_takes_the_newest_waiting_prompt_of_the_longest_other_queue(dis
                                 "headers": {"task": "dflash_tasks.generate"}, "properties": {}}))
     assert dispatch.topup(app, "e", 1) == 0
     assert r.llen("gpu0") == 3
+
+
+def test_a_gpu_the_job_no_longer_uses_takes_nothing(redis_url, dispatch):
+    """After an enqueue with fewer --gpus, the dropped GPU's worker still refills after each of
+    the job's requests it finishes there: it must take nothing (it took prompts into an in-flight
+    set status no longer counts; found by the chaos test, seed 312)."""
+    from dflash_tasks import jobs
+    from dflash_tasks.celery_app import app
+
+    r = redis.Redis.from_url(redis_url)
+    setup_job(r, "fewer", 40, gpus=2, concurrency=4)
+    assert dispatch.topup(app, "fewer", 1) == 6
+    jobs.save(r, "fewer", jobs.GenerationParams(), gpus=1, dataset="-", status="running")
+    dispatch.withdraw(r, "fewer", 1, everything=True)
+    dispatch._gpus_cache.clear()
+    assert dispatch.topup(app, "fewer", 1) == 0
+    assert r.zcard("dflash:{fewer}:inflight:1") == 0 and r.llen("gpu1") == 0
+    assert dispatch.topup(app, "fewer", 0) == 6

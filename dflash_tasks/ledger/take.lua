@@ -55,6 +55,11 @@ end
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then
   return {}
 end
+-- A GPU the job no longer uses (an enqueue with fewer --gpus) takes nothing: its worker still
+-- refills after each of the job's requests it finishes there.
+if ARGV[3] ~= nil and tonumber(ARGV[3]) >= tonumber(redis.call('HGET', KEYS[1], 'gpus') or '1') then
+  return {}
+end
 local room = tonumber(ARGV[1]) - redis.call('ZCARD', KEYS[3])
 if room <= 0 then
   return {}
