@@ -856,7 +856,7 @@ def report_markdown(stats: Stats, cfg: dict, seconds: float) -> str:
         *(f"| {k} | {v} |" for k, v in sorted(stats.outcomes.items())),
         "", "| invariant check | times |", "|---|---|",
         *(f"| {k} | {v} |" for k, v in sorted(stats.checks.items())),
-        "", f"Accounting-identity mismatches that vanished on a re-read (non-atomic snapshot): "
+        "", f"Accounting-identity mismatches that vanished on a re-read within 3 s: "
         f"{stats.transient_identity_mismatches}",
         f"Seconds to converge after the faults stopped: {stats.converge_seconds}",
     ]
