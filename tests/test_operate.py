@@ -175,6 +175,32 @@ def test_regenerate_continues_truncated_rows_after_raising_the_cap(cluster, tmp_
     assert "500 (one per id)" in export and f"{len(cut):,} older rows" in export
 
 
+def test_a_continuation_whose_cap_was_lowered_again_is_generated_anew(cluster, tmp_path):
+    """regenerate --continue queues truncated rows with the tokens they have; if the cap is
+    lowered to that before they run, there is nothing to continue: each is generated anew at the
+    job's cap instead of failing (found by the chaos test, seed 411)."""
+    c = cluster()
+    start(c, gpus=(0,))
+    path, rows = prompts(tmp_path, 80)
+    c.manage("enqueue", "--dataset", str(path), "--job", "lower", "--gpus", "1",
+             "--max-output-tokens", "1024")
+    c.wait_done("lower")
+    at_1024 = expected(rows, 1024)
+    cut = sorted(i for i, p in at_1024.items() if p.finish_reason == "length")
+    assert cut
+    c.workers[0].stop()  # so the continuations wait in the queue until the cap changes again
+    c.manage("set", "--job", "lower", "--max-output-tokens", "2048")
+    c.manage("regenerate", "--job", "lower", "--finish-reason", "length", "--continue")
+    c.manage("set", "--job", "lower", "--max-output-tokens", "1024")
+    c.start_worker(0)
+    snap = c.wait_done("lower")
+    assert snap["failed"] == 0 and snap["completed"] == 80
+    newest = {row["id"]: row for row in c.rows("lower")}
+    for pid in cut:
+        meta = newest[pid]["metadata"]
+        assert (meta["completion_tokens"], meta["finish_reason"]) == (1024, "length"), pid
+
+
 def test_status_shows_each_servers_own_load_from_its_metrics(cluster, tmp_path):
     c = cluster(server_metrics_interval_s=0.5)
     start(c, gpus=(0,), sim_args=("--slots", "8", "--decode-tps", "300"))

@@ -149,7 +149,9 @@ def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
     rid = f"{job}:{prompt_id}:{attempt}:{uuid.uuid4().hex[:12]}"
     try:
         with shutdown.tracked(rid, lambda: client.abort(rid)):
-            if state.continuation:  # regenerate --continue: only the missing tokens
+            # regenerate --continue: only the missing tokens; unless the cap was lowered since
+            # to what the output already has, and it is generated anew at the job's cap
+            if state.continuation and len(state.continuation["response_ids"]) < params.max_tokens:
                 completion = continue_generation(client, state.continuation, params, rid)
             else:
                 completion = client.chat(state.messages, max_tokens=params.max_tokens,
