@@ -347,6 +347,7 @@ class Sequence:
         s0 = self.observe(job)
         before_cfg = self.config(job.name)
         before_total = self.total(job.name)
+        s3_down = self.d.s3._listener is None  # an outage may end while the command runs
         result = self.d.c.manage(*args, check=False)
         out = (result.stdout + result.stderr).strip()
         if "Traceback" in out:
@@ -355,8 +356,7 @@ class Sequence:
         allowed_in = {s for s in starts if lifecycle.allowed(lifecycle_cmd, s)}
         s1 = self.actual_state(job.name)
         self.stats.checks["command outcome matches lifecycle"] += 1
-        partial = (result.returncode == 1 and self.d.s3._listener is None
-                   and "once the storage answers" in out)
+        partial = result.returncode == 1 and s3_down and "once the storage answers" in out
         if result.returncode == 0 or partial:
             if not allowed_in:
                 raise ChaosFailure(
