@@ -98,15 +98,22 @@ def withdraw(r: redis.Redis, job: str, gpu: int, *, everything: bool) -> int:
     Returns how many prompts went back."""
     from .connections import ledger
 
-    queue = queue_for(gpu)
-    withdrawn = []
-    for raw in r.lrange(queue, 0, -1):
-        job_of, prompt_id = _job_and_id(raw)
-        if job_of == job and r.lrem(queue, 1, raw):
-            withdrawn.append(prompt_id)
+    withdrawn = _remove_queued(r, job, gpu)
     book = ledger()
     back = book.recall(job, gpu, withdrawn) if withdrawn else 0
     return back + (book.recall(job, gpu) if everything else 0)
+
+
+def _remove_queued(r: redis.Redis, job: str, gpu: int, only: set[str] | None = None) -> list[str]:
+    """Take `job`'s messages (those of the ids in `only`, if given) out of `gpu`'s queue; returns
+    the ids whose message this call removed (a worker may pop one first)."""
+    queue = queue_for(gpu)
+    removed = []
+    for raw in r.lrange(queue, 0, -1):
+        job_of, prompt_id = _job_and_id(raw)
+        if job_of == job and (only is None or prompt_id in only) and r.lrem(queue, 1, raw):
+            removed.append(prompt_id)
+    return removed
 
 
 def reap(app: Celery, job: str, gpu: int, older_than_s: float) -> int:
@@ -163,14 +170,21 @@ def messages_present(r: redis.Redis, job: str, gpu: int, fresh: bool = False) ->
     present = {pid for j, pid in map(_job_and_id, r.lrange(queue_for(gpu), 0, -1)) if j == job}
     at, unacked = _unacked_cache
     if fresh or time.monotonic() - at > 5.0:
-        unacked = set()
-        for _, raw in r.hscan_iter(UNACKED, count=1000):
-            try:
-                unacked.add(_job_and_id(json.loads(raw)[0]))
-            except (ValueError, IndexError, KeyError, TypeError):
-                continue
+        unacked = {_job_and_id(payload) for _, payload, _, _ in _unacked(r)}
         _unacked_cache = (time.monotonic(), unacked)
     return present | {pid for j, pid in unacked if j == job}
+
+
+def _unacked(r: redis.Redis):
+    """(delivery tag, message, exchange, routing key) of every message kombu's transport holds
+    unacknowledged (`unacked`: tag -> [message, exchange, routing key]); an entry it cannot read
+    is passed over."""
+    for tag, raw in r.hscan_iter(UNACKED, count=1000):
+        try:
+            payload, exchange, routing_key = json.loads(raw)
+        except (ValueError, TypeError):
+            continue
+        yield tag.decode() if isinstance(tag, bytes) else tag, payload, exchange, routing_key
 
 
 def _job_and_id(entry) -> tuple[str, str]:
@@ -196,16 +210,8 @@ def restore_unheld(app: Celery, queues: list[str], held: set[str]) -> int:
     come back now instead of after the visibility timeout (hours). One worker consumes a GPU
     queue, so nobody else can hold them; a copy that is in fact still running somewhere is
     harmless (the ledger records a prompt once). Returns how many were restored."""
-    r = redis_client()
-    tags = []
-    for tag, raw in r.hscan_iter(UNACKED, count=1000):
-        try:
-            _, exchange, routing_key = json.loads(raw)
-        except (ValueError, TypeError):
-            continue
-        tag = tag.decode() if isinstance(tag, bytes) else tag
-        if (routing_key in queues or exchange in queues) and tag not in held:
-            tags.append(tag)
+    tags = [tag for tag, _, exchange, routing_key in _unacked(redis_client())
+            if (routing_key in queues or exchange in queues) and tag not in held]
     if not tags:
         return 0
     with app.connection_for_write() as conn:
@@ -221,11 +227,7 @@ def waiting_retries(r: redis.Redis, job: str) -> dict[int, list[str]]:
     with the in-flight sets in the same transaction as its other reads."""
     now = time.time()
     waiting: dict[int, list[str]] = {}
-    for _, raw in r.hscan_iter(UNACKED, count=1000):
-        try:
-            payload, _, routing_key = json.loads(raw)
-        except (ValueError, TypeError):
-            continue
+    for _, payload, _, routing_key in _unacked(r):
         _collect_waiting(payload, routing_key, job, now, waiting)
     return waiting
 
@@ -266,9 +268,5 @@ def drain_gone(r: redis.Redis, job: str, gpu: int, older_than_s: float) -> int:
     old = {m.decode() for m in r.zrangebyscore(key, "-inf", time.time() - older_than_s)}
     if not old:
         return 0
-    queue = queue_for(gpu)
-    for raw in r.lrange(queue, 0, -1):
-        job_of, prompt_id = _job_and_id(raw)
-        if job_of == job and prompt_id in old:
-            r.lrem(queue, 1, raw)
+    _remove_queued(r, job, gpu, only=old)
     return ledger().recall(job, gpu, sorted(old))
