@@ -91,9 +91,8 @@ def transition(r: redis.Redis, name: str, expect: str, status: str,
         try:
             pipe.watch(k.config, *([k.counters] if expect_total is not None else []))
             current = pipe.hget(k.config, "status")
-            total = int(pipe.hget(k.counters, "total") or 0)
-            if current is None or current.decode() != expect or \
-                    (expect_total is not None and total != expect_total):
+            if current is None or current.decode() != expect or (
+                    expect_total is not None and int(pipe.hget(k.counters, "total") or 0) != expect_total):
                 return False
             pipe.multi()
             pipe.hset(k.config, "status", status)
@@ -118,15 +117,13 @@ def update_params(r: redis.Redis, name: str, **changes) -> tuple[GenerationParam
     return job.params, new
 
 
-def cancel(r: redis.Redis, name: str, expect: str) -> int | None:
-    """Mark the job cancelled (if it is still `expect`; None otherwise): nothing more is
-    dispatched (take.lua), its messages still queued are withdrawn, requests already running
-    finish and are kept. The prompts not generated stay in the job, counted in its total, so
-    `resume` finishes them all. Returns how many wait."""
+def cancel(r: redis.Redis, name: str) -> int:
+    """What follows a job's move to cancelled (after it: take.lua dispatches nothing from then
+    on): its messages still queued are withdrawn, requests already running finish and are kept.
+    The prompts not generated stay in the job, counted in its total, so `resume` finishes them
+    all. Returns how many wait."""
     from .dispatch import withdraw
 
-    if not transition(r, name, expect, "cancelled"):  # first: take.lua dispatches nothing now
-        return None
     job = load(r, name)
     for gpu in range(job.gpus if job else 0):
         withdraw(r, name, gpu, everything=False)

@@ -93,12 +93,7 @@ def change_state(r: redis.Redis, command: str, job: jobs.Job) -> str:
     nothing has changed. Returns the new state."""
     target = allowed_or_fail(command, job)
     if target != job.status and not jobs.transition(r, job.name, job.status, target):
-        raise changed_meanwhile(r, job)
-    return target
-
-
-def changed_meanwhile(r: redis.Redis, job: jobs.Job) -> click.ClickException:
-    now = jobs.load(r, job.name)
-    return click.ClickException(f"job {job.name} changed from {job.status} to "
-                                f"{now.status if now else 'deleted'} while this ran; nothing was "
-                                "changed: run the command again")
+        now = jobs.load(r, job.name)
+        raise click.ClickException(f"job {job.name} changed from {job.status} to "
+                                   f"{now.status if now else 'deleted'} while this ran; nothing "
+                                   "was changed: run the command again")

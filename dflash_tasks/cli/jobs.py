@@ -6,7 +6,8 @@ import click
 from rich.table import Table
 
 from .. import jobs
-from .common import generation_options, changed_meanwhile, allowed_or_fail, change_state, console, job_or_fail, redis_or_fail
+from .common import (allowed_or_fail, change_state, console, generation_options, job_or_fail,
+                     redis_or_fail)
 
 
 @click.command("jobs")
@@ -54,11 +55,8 @@ def cancel(name: str) -> None:
     """Stop dispatching the job for good; rows already made are kept, and the prompts never
     generated stay counted (`resume` finishes them, `delete` removes the job)."""
     r = redis_or_fail()
-    job = job_or_fail(r, name)
-    allowed_or_fail("cancel", job)
-    never = jobs.cancel(r, name, expect=job.status)
-    if never is None:
-        raise changed_meanwhile(r, job)
+    change_state(r, "cancel", job_or_fail(r, name))
+    never = jobs.cancel(r, name)
     console.print(f"job {name}: cancelled; {never:,} prompts were never generated "
                   f"(`manage.py resume --job {name}` generates them, `delete` removes the job)")
 

@@ -12,7 +12,8 @@ from rich.table import Table
 
 from .. import jobs, lifecycle
 from ..settings import get_settings
-from .common import generation_options, allowed_or_fail, console, err_console, job_or_fail, redis_or_fail
+from .common import (allowed_or_fail, console, err_console, generation_options, job_or_fail,
+                     redis_or_fail)
 
 
 # -- enqueue ------------------------------------------------------------------------------------
