@@ -109,14 +109,21 @@ def build(config: dict, trainer: str, command: str | None, source: str = "--conf
             raise SpecError(f"{source} [command] env: must be a table of NAME = \"value\"")
         if values["format"] == "specforge-conversations":
             _check_template(values["chat_template"], source)
-        if not isinstance(values.get("keep_truncated", False), bool):
-            raise SpecError(f"{source} [command] keep_truncated: true or false, not "
-                            f"{values['keep_truncated']!r}")
+        _check_keep_truncated(values, source)
         if "{config_path}" in template:
             _check_run_config(values, source)
         fill_command(template, values, {p: f"<{p}>" for p in RUN_PLACEHOLDERS}, source)
         spec["command"] = {"template": template, "values": values}
     return spec
+
+
+def _check_keep_truncated(values: dict, source: str) -> None:
+    from .specforge import HandoffError, keep_truncated
+
+    try:
+        keep_truncated(values)
+    except HandoffError as exc:
+        raise SpecError(f"{source} {exc}") from None
 
 
 def _check_template(requested: str, source: str) -> None:

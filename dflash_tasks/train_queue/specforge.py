@@ -77,10 +77,15 @@ def export_rules(rules, fmt: str, values: dict):
     them. The tokenized export keeps the gate's choice: it hands over only generated tokens."""
     if fmt != "specforge-conversations":
         return rules
+    return replace(rules, keep_truncated=keep_truncated(values))
+
+
+def keep_truncated(values: dict) -> bool:
+    """`[command] keep_truncated`, which must be a bool (the string "false" is not false)."""
     keep = values.get("keep_truncated", False)
     if not isinstance(keep, bool):
         raise HandoffError(f"[command] keep_truncated: true or false, not {keep!r}")
-    return replace(rules, keep_truncated=keep)
+    return keep
 
 
 def _merge(base: dict, extra: dict) -> dict:
