@@ -1,12 +1,15 @@
 """Process-wide Redis client and ledger (thread-safe; redis-py's pool re-opens after a fork)."""
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 
 import redis
 
 from .ledger import Ledger
 from .settings import Settings, get_settings, redact_url
+
+log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=1)
@@ -35,10 +38,8 @@ def check_persistence(r: redis.Redis, s: Settings) -> None:
     try:
         config = {**r.config_get("appendonly"), **r.config_get("save")}
     except redis.ResponseError as exc:
-        import logging
-
-        logging.getLogger(__name__).warning("cannot check the persistence of Redis at %s (%s); "
-                                            "make sure it has AOF or RDB", redact_url(s.redis_url), exc)
+        log.warning("cannot check the persistence of Redis at %s (%s); make sure it has AOF or RDB",
+                    redact_url(s.redis_url), exc)
         return
     if config.get("appendonly") != "yes" and not (config.get("save") or "").strip():
         raise PersistenceError(

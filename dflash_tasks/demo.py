@@ -1,9 +1,10 @@
 """`make demo`: the whole job on one machine, on defaults.
 
-Starts a redis-server of its own on a free port (never one it did not start), an S3 server (moto, unless DFLASH_S3_URI names a bucket), two
-simulated SGLang servers with their pinned workers, and beat; enqueues the bundled dataset, shows
-progress until done, lists the batches uploaded to S3, downloads and verifies them with
-`manage.py export`, and stops what it started. Run it again: the demo job starts over.
+Starts a redis-server of its own on a free port (never one it did not start), an S3 server
+(moto, unless DFLASH_S3_URI names a bucket), two simulated SGLang servers with their pinned
+workers, and beat; enqueues the bundled dataset, shows progress until done, lists the batches
+uploaded to S3, downloads and verifies them with `manage.py export`, and stops what it started.
+Run it again: the demo job starts over.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import redis
 
 from . import jobs
 from .batches import manifest_key, progress_key, read_batch, read_manifest
-from .keys import JobKeys
 from .local import LocalCluster, free_port, wait_for
 from .settings import get_settings, redact_url
 from .storage import storage_for

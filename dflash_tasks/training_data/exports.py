@@ -14,9 +14,9 @@ training reads:
 Every format writes, beside its data file, `<stem>.export_report.json` (rows read, kept, dropped
 per reason, the gate's figures) and `<stem>.dropped.jsonl` (`{"id", "reason"}` per dropped row),
 named after its data file so that several formats exported to one directory keep their own
-(`tokenized.export_report.json` beside `tokenized.jsonl`). Files are
-written under a temporary name and renamed when complete. Rows come newest batch first (the
-newest copy of each id wins; see reader.py).
+(`tokenized.export_report.json` beside `tokenized.jsonl`). Files are written under a temporary
+name and renamed when complete. Rows come newest batch first (the newest copy of each id wins;
+see reader.py).
 """
 from __future__ import annotations
 
