@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-sglang demo bench chaos clean
+.PHONY: install test test-sglang demo bench chaos readme-story clean
 
 install: $(STAMP)
 
@@ -49,6 +49,11 @@ SKIP ?=
 KEEP_GOING ?=
 chaos: install
 	$(PY) tools/chaos.py --seed $(SEED) --steps $(STEPS) --minutes $(MINUTES) $(if $(SKIP),--skip $(SKIP)) $(if $(KEEP_GOING),--keep-going)
+
+# Runs the README's "Raising max tokens mid-run" commands on a deployment of this machine (its own
+# Redis, two simulated servers) and writes what they print into README.md (about a minute).
+readme-story: install
+	$(PY) tools/readme_story.py
 
 clean:
 	rm -rf $(VENV) output test-artifacts
