@@ -1,6 +1,6 @@
 """The reference DFlash trainer launched through the queue: `manage.py train --min-rows` on rows
 the simulated server is still producing, a tiny random Qwen3 as the frozen target, the loss
-falling over a few hundred steps of a small repeated dataset, metrics in the run, in the Celery
+falling over 150 steps of a small repeated dataset, metrics in the run, in the Celery
 task's state and in metrics.jsonl."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from support import wait_until
 from test_train_queue import generate, queue_run, run_status, wait_run
 from tiny_target import build_tiny_target
 
-STEPS = 300
+STEPS = 150
 
 
 def test_reference_trainer_through_the_queue_learns_the_rows(cluster, tmp_path):
@@ -31,7 +31,7 @@ min_loss_tokens = 8
 shuffle_buffer = 2
 max_steps = {STEPS}
 log_every = 10
-checkpoint_every = 100
+checkpoint_every = 50
 poll_s = 0.5
 """)
     c = cluster(batch_rows="2", batch_max_age_s="1")
@@ -66,9 +66,11 @@ poll_s = 0.5
     lines = [json.loads(line) for line in (Path(done["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(10, STEPS + 1, 10))
     first, last = lines[0]["loss"], sum(m["loss"] for m in lines[-3:]) / 3
-    assert last < 0.5 * first, [round(m["loss"], 3) for m in lines]  # about 0.35 seen
+    # Falling (about 0.68 of the first seen at 150 steps); test_training_reference checks the
+    # trainer all the way to a drafter that predicts the target.
+    assert last < 0.8 * first, [round(m["loss"], 3) for m in lines]
     assert done["metrics"]["step"] == STEPS and done["step"] == STEPS
-    assert [ck["name"] for ck in done["checkpoints"]] == ["step_00000100", "step_00000200", "step_00000300"]
+    assert [ck["name"] for ck in done["checkpoints"]] == ["step_00000050", "step_00000100", "step_00000150"]
     assert (Path(done["checkpoints"][-1]["path"]) / "drafter.safetensors").is_file()
     result = json.loads(c.r.get(f"celery-task-meta-{done['task_id']}"))
     assert result["status"] == "SUCCESS" and result["result"]["status"] == "done"
