@@ -32,7 +32,7 @@ test-sglang: install
 	DFLASH_SGLANG_VENV=$(CURDIR)/.sglang-venv $(PY) -m pytest -q tests/sglang_real
 
 demo: install
-	$(PY) -m dflash_tasks.demo
+	$(PY) -m dflash_dev.demo
 
 # The performance benchmark (about ten minutes): prints the table and writes benchmarks/RESULTS.md.
 bench: install

@@ -1,11 +1,11 @@
-"""Celery configuration, read by dflash_tasks.celery_app with config_from_object("celeryconfig").
+"""Celery configuration, read by dflash_tasks.tasks.app with config_from_object("celeryconfig").
 
 Values that depend on the deployment come from DFLASH_* environment variables (settings.py).
 """
 from datetime import timedelta
 
-from dflash_tasks import transport as _transport
-from dflash_tasks.settings import get_settings
+from dflash_tasks.core.settings import get_settings
+from dflash_tasks.worker import transport as _transport
 
 _s = get_settings()
 
@@ -13,7 +13,7 @@ broker_url = _s.redis_url
 result_backend = _s.redis_url
 # kombu's Redis transport, except that a queue entry that is not a kombu message is logged and
 # dropped, and a lost Redis connection is reconnected, instead of either ending the worker
-# (dflash_tasks/transport.py). Registered as the transport of redis:// (and rediss://) URLs
+# (dflash_tasks/worker/transport.py). Registered as the transport of redis:// (and rediss://) URLs
 # rather than named in broker_transport: the broker URL keeps its redis:// scheme for the tools
 # that read it (Flower's queue lengths), and kombu, which re-reads the transport from the URL's
 # scheme when it reconnects, keeps using it after a Redis restart.

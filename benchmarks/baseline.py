@@ -21,8 +21,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_tasks.jobs import GenerationParams  # noqa: E402
-from dflash_tasks.prompts import read_prompts  # noqa: E402
+from dflash_tasks.core.jobs import GenerationParams  # noqa: E402
+from dflash_tasks.ingest.prompts import read_prompts  # noqa: E402
 
 
 async def run(urls: list[str], slots: int, dataset: Path, out: Path, params: GenerationParams) -> dict:

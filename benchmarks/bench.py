@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import data, measure, report  # noqa: E402
-from dflash_tasks.keys import JobKeys  # noqa: E402
-from dflash_tasks.local import LocalCluster, free_port, wait_for  # noqa: E402
+from dflash_dev.local import LocalCluster, free_port, wait_for  # noqa: E402
+from dflash_tasks.core.keys import JobKeys  # noqa: E402
 
 CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path(tempfile.gettempdir()) / "dflash-bench"))
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from dflash_tasks.prompts import read_prompts
-from dflash_tasks.sim.lengths import chat_plan, greedy_makespan, service_seconds
+from dflash_dev.sim.lengths import chat_plan, greedy_makespan, service_seconds
+from dflash_tasks.ingest.prompts import read_prompts
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

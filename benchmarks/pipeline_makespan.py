@@ -20,8 +20,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_tasks.local import LocalCluster, free_port, wait_for  # noqa: E402
-from dflash_tasks.sim.lengths import chat_plan, ideal_makespan, service_seconds  # noqa: E402
+from dflash_dev.local import LocalCluster, free_port, wait_for  # noqa: E402
+from dflash_dev.sim.lengths import chat_plan, ideal_makespan, service_seconds  # noqa: E402
 
 SLOTS, GPUS, MAX_TOKENS = 40, 2, 8192
 

@@ -38,9 +38,9 @@ def main() -> None:
     from click.testing import CliRunner
 
     from dflash_tasks.cli import cli
-    from dflash_tasks.connections import redis_client
-    from dflash_tasks.progress import snapshot
-    from dflash_tasks.settings import get_settings
+    from dflash_tasks.core.connections import redis_client
+    from dflash_tasks.core.settings import get_settings
+    from dflash_tasks.output.progress import snapshot
     from dflash_tasks.tasks.control import tick_job
 
     r, s = redis_client(), get_settings()

@@ -2,6 +2,6 @@
 
 `celery -A dflash_tasks worker -Q gpu0` finds the application here.
 """
-from .celery_app import app
+from dflash_tasks.tasks.app import app
 
 __all__ = ["app"]

@@ -13,7 +13,7 @@ moment earlier or later) can change. The steps as they ran are printed and writt
 failure.
 
 The model: per job, its ids (the union of every dataset enqueued into it) and its state, which
-follows dflash_tasks.lifecycle.TRANSITIONS. The one transition no command makes, beat's
+follows dflash_tasks.core.lifecycle.TRANSITIONS. The one transition no command makes, beat's
 running -> done, may happen at any moment, so "running" in the model means running or done. A
 command the table refuses must exit non-zero and change nothing; one it allows must exit 0 and
 leave the state the table says.
@@ -48,14 +48,13 @@ from pathlib import Path
 
 import httpx
 import redis
-
 from conftest import Cluster, write_jsonl
 from s3support import MotoServer, TcpProxy, s3_env
 from s3support import storage as s3_storage
 from support import AofRedis, wait_until
 
-from dflash_tasks import lifecycle
-from dflash_tasks.lifecycle import CANCELLED, DONE, PAUSED, RUNNING
+from dflash_tasks.core import lifecycle
+from dflash_tasks.core.lifecycle import CANCELLED, DONE, PAUSED, RUNNING
 
 DELETED = "deleted"  # the model's own state: the job is gone
 
@@ -189,7 +188,7 @@ class Deployment:
         for gpu in range(GPUS):
             self.start_worker(gpu)
         self.c.start_beat()
-        from dflash_tasks.settings import Settings
+        from dflash_tasks.core.settings import Settings
         self.settings = Settings(redis_url=self.redis.url, output_dir=self.c.output_dir,
                                  s3_uri=s3_settings["s3_uri"])
 
@@ -584,7 +583,7 @@ class Sequence:
 
     # ------------------------------------------------------------------ invariants
     def snapshot(self, job: str) -> dict:
-        from dflash_tasks.progress import snapshot
+        from dflash_tasks.output.progress import snapshot
 
         return self.d.read(lambda r: snapshot(r, job, self.d.settings))
 
@@ -635,7 +634,7 @@ class Sequence:
         return "\n  ledger: " + ", ".join(parts)
 
     def shipped(self, job: str) -> list[dict]:
-        from dflash_tasks.batches import read_batch, read_manifest
+        from dflash_tasks.output.batches import read_batch, read_manifest
 
         storage = self.d.storage
         if not storage.exists(f"{job}/manifest.json"):

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-
 from support import Proc, free_port, python, wait_until
+
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory) -> str:
@@ -72,7 +72,7 @@ class Cluster:
 
     def start_server(self, gpu: int, *args: str, port: int | None = None) -> int:
         port = port or free_port()
-        proc = Proc(python("-m", "dflash_tasks.sim", "--port", str(port), *args),
+        proc = Proc(python("-m", "dflash_dev.sim", "--port", str(port), *args),
                     self._log(f"sim{gpu}"))
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200,
                    timeout=30, what=f"simulated server gpu{gpu} on port {port}")
@@ -128,8 +128,8 @@ class Cluster:
                           timeout=timeout, interval=0.5, what=f"job {job} to be done")
 
     def rows(self, job: str) -> list[dict]:
-        from dflash_tasks.batches import read_batch, read_manifest
-        from dflash_tasks.storage import LocalStorage
+        from dflash_tasks.output.batches import read_batch, read_manifest
+        from dflash_tasks.output.storage import LocalStorage
 
         storage = LocalStorage(self.output_dir)
         manifest = read_manifest(storage, job)

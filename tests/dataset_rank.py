@@ -8,8 +8,8 @@ import time
 
 from torch.utils.data import DataLoader
 
-from dflash_tasks.dataset import JobDataset
-from dflash_tasks.training_data.gate import Rules
+from dflash_tasks.training.data.gate import Rules
+from dflash_tasks.training.torch_dataset import JobDataset
 
 
 def main(job: str, source: str, rank: int, world: int, out: str) -> None:

@@ -10,7 +10,6 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-
 from conftest import write_jsonl
 
 

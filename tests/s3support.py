@@ -11,7 +11,6 @@ from pathlib import Path
 
 import boto3
 import httpx
-
 from support import Proc, free_port, python, wait_until
 
 BUCKET = "dflash-test"
@@ -140,7 +139,7 @@ def storage(endpoint: str, prefix: str = "runs"):
     import os
     from unittest import mock
 
-    from dflash_tasks.storage import S3Storage
+    from dflash_tasks.output.storage import S3Storage
 
     with mock.patch.dict(os.environ, {**AWS_ENV, "AWS_ENDPOINT_URL": endpoint}):
         st = S3Storage(f"s3://{BUCKET}/{prefix}")
@@ -151,7 +150,7 @@ def storage(endpoint: str, prefix: str = "runs"):
 def shipped_rows(st, job: str) -> tuple[dict, list[dict]]:
     """The manifest and every row it lists, each batch checked against its sha256 and row
     count; and the manifest checked against the objects actually in the bucket."""
-    from dflash_tasks.batches import read_batch, read_manifest
+    from dflash_tasks.output.batches import read_batch, read_manifest
 
     manifest = read_manifest(st, job)
     listed = sorted(k for k in st.list(f"{job}/batches/"))

@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-
 from conftest import write_jsonl
 from failure_support import check_books, counters, failed_registry
 
-from dflash_tasks import server_metrics
 from dflash_tasks.sglang import SGLangClient
 from dflash_tasks.sglang.errors import InvalidRequest
+from dflash_tasks.worker import server_metrics
 
 CONTEXT_LENGTH = 8192   # both servers are started with this context length
 SMALL_CAP = 4           # cuts every output while it still thinks

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from chaos import ChaosConfig, Sequence, Stats
 
 # Two sequences of 8 steps, about a minute and a half each on 2 cores. Seeds 17 and 21 draw, between

@@ -1,20 +1,19 @@
-"""dflash_tasks.dataset: the streaming torch dataset, split across DataLoader workers and ranks
+"""dflash_tasks.training.torch_dataset: the streaming torch dataset, split across DataLoader workers and ranks
 with no sample missing or doubled, following a job while it still produces batches."""
 from __future__ import annotations
 
 import json
 
 import torch
-from torch.utils.data import DataLoader
-
 from conftest import write_jsonl
 from support import ROOT, Proc, python, wait_until
 from test_training_data import good_row, six_token_row, write_batches
+from torch.utils.data import DataLoader
 
-from dflash_tasks.batches import read_batch, read_manifest
-from dflash_tasks.dataset import JobDataset, pad_collate
-from dflash_tasks.storage import LocalStorage
-from dflash_tasks.training_data.gate import Rules
+from dflash_tasks.output.batches import read_batch, read_manifest
+from dflash_tasks.output.storage import LocalStorage
+from dflash_tasks.training.data.gate import Rules
+from dflash_tasks.training.torch_dataset import JobDataset, pad_collate
 
 
 def test_two_ranks_of_two_workers_follow_a_running_job(cluster, tmp_path):
@@ -143,7 +142,7 @@ def test_following_a_slow_job_stops_on_request(tmp_path):
 
     import pytest
 
-    from dflash_tasks.dataset import FollowStopped
+    from dflash_tasks.training.torch_dataset import FollowStopped
 
     write_batches(tmp_path, "slow", [good_row(i) for i in range(3)])
     (tmp_path / "slow" / "progress.json").write_text(json.dumps({"status": "running"}))

@@ -16,9 +16,9 @@ import click
 import httpx
 import pytest
 import yaml
+from support import ROOT, Proc, free_port, python, wait_until
 
 from dflash_tasks.cli import cli
-from support import ROOT, Proc, free_port, python, wait_until
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict] = COMPOSE["services"]

@@ -1,4 +1,4 @@
-"""Windowed dispatch (dflash_tasks/dispatch.py, ledger/take.lua) against the session's
+"""Windowed dispatch (dflash_tasks/dispatch, ledger/take.lua) against the session's
 redis-server: a top-up publishes Celery messages in the same call, and once pending is empty a
 GPU with an empty queue takes a waiting prompt from another GPU's queue."""
 from __future__ import annotations
@@ -11,24 +11,23 @@ import redis
 
 @pytest.fixture
 def dispatch(redis_url, monkeypatch):
-    from dflash_tasks import connections, dispatch, settings
+    from dflash_tasks import dispatch, ledger
+    from dflash_tasks.core import connections, settings
 
     monkeypatch.setenv("DFLASH_REDIS_URL", redis_url)
-    for cached in (settings.get_settings, connections.redis_client, connections.ledger,
-                   dispatch._take_script):
+    for cached in (settings.get_settings, connections.redis_client, ledger.shared_ledger):
         cached.cache_clear()
     dispatch._capacity_cache.clear()
     dispatch._gpus_cache.clear()
     yield dispatch
-    for cached in (settings.get_settings, connections.redis_client, connections.ledger,
-                   dispatch._take_script):
+    for cached in (settings.get_settings, connections.redis_client, ledger.shared_ledger):
         cached.cache_clear()
 
 
 def setup_job(r: redis.Redis, name: str, n: int, gpus: int, concurrency: int) -> None:
-    from dflash_tasks import jobs
+    from dflash_tasks.core import jobs
     from dflash_tasks.ledger import Ledger
-    from dflash_tasks.prompts import encode_messages
+    from dflash_tasks.ledger.messages import encode_messages
 
     jobs.save(r, name, jobs.GenerationParams(), gpus=gpus, dataset="-", status="running")
     Ledger(r).add_prompts(name, [(f"p{i}", encode_messages([{"role": "user", "content": f"q{i}"}]))
@@ -54,8 +53,8 @@ def queued(r: redis.Redis, queue: str) -> list[tuple[str, str, int]]:
 
 
 def test_topup_publishes_in_the_same_call(dispatch, redis_url):
-    from dflash_tasks.celery_app import app
-    from dflash_tasks.keys import JobKeys
+    from dflash_tasks.core.keys import JobKeys
+    from dflash_tasks.tasks.app import app
 
     r = redis.Redis.from_url(redis_url)
     setup_job(r, "w", n=10, gpus=2, concurrency=2)  # window: 2 x 1.5 = 3
@@ -73,8 +72,8 @@ def test_topup_publishes_in_the_same_call(dispatch, redis_url):
 
 
 def test_end_game_takes_the_newest_waiting_prompt_of_the_longest_other_queue(dispatch, redis_url):
-    from dflash_tasks.celery_app import app
-    from dflash_tasks.keys import JobKeys
+    from dflash_tasks.core.keys import JobKeys
+    from dflash_tasks.tasks.app import app
 
     r = redis.Redis.from_url(redis_url)
     k = JobKeys("e")
@@ -104,8 +103,8 @@ def test_a_gpu_the_job_no_longer_uses_takes_nothing(redis_url, dispatch):
     """After an enqueue with fewer --gpus, the dropped GPU's worker still refills after each of
     the job's requests it finishes there: it must take nothing (it took prompts into an in-flight
     set status no longer counts; found by the chaos test, seed 312)."""
-    from dflash_tasks import jobs
-    from dflash_tasks.celery_app import app
+    from dflash_tasks.core import jobs
+    from dflash_tasks.tasks.app import app
 
     r = redis.Redis.from_url(redis_url)
     setup_job(r, "fewer", 40, gpus=2, concurrency=4)

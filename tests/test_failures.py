@@ -11,9 +11,17 @@ import time
 
 import httpx
 import pytest
-
-from failure_support import (check_books, counters, dataset, failed_registry, kombu_entry,
-                             pickled_task, prompts, sim_down, sim_stats)
+from failure_support import (
+    check_books,
+    counters,
+    dataset,
+    failed_registry,
+    kombu_entry,
+    pickled_task,
+    prompts,
+    sim_down,
+    sim_stats,
+)
 from support import wait_until
 
 FAST = ("--slots", "40", "--decode-tps", "8000")
@@ -77,8 +85,8 @@ def test_a_good_answer_is_not_an_error():
 
 
 def test_breaker_opens_on_consecutive_failures_and_closes_after_healthy_probes():
-    from dflash_tasks import shutdown
-    from dflash_tasks.breaker import CircuitBreaker
+    from dflash_tasks.worker import shutdown
+    from dflash_tasks.worker.breaker import CircuitBreaker
 
     health = {"ok": False, "probes": 0}
 
@@ -123,7 +131,7 @@ def test_breaker_opens_on_consecutive_failures_and_closes_after_healthy_probes()
 
 
 def test_backoff_is_full_jitter_under_an_exponential_cap(monkeypatch):
-    from dflash_tasks.settings import get_settings
+    from dflash_tasks.core.settings import get_settings
     from dflash_tasks.tasks.generate import backoff_s
 
     s = get_settings()

@@ -17,7 +17,7 @@ def test_demo_starts_its_own_redis_and_never_touches_the_one_configured(redis_ur
     r = redis.Redis.from_url(redis_url)
     r.set("live-deployment", "mine")
     before = r.info("stats")["total_connections_received"]
-    result = subprocess.run([sys.executable, "-m", "dflash_tasks.demo"], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "dflash_dev.demo"], cwd=tmp_path,
                             env={**os.environ, "DFLASH_REDIS_URL": redis_url},
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -43,7 +43,7 @@ def test_tables_read_at_80_columns_and_piped(redis_url, tmp_path):
     name are there whole, and what does not fit is named."""
     from rich.cells import cell_len
 
-    from dflash_tasks.keys import JobKeys
+    from dflash_tasks.core.keys import JobKeys
     from dflash_tasks.ledger import Ledger
 
     env = {**os.environ, "DFLASH_REDIS_URL": redis_url, "DFLASH_OUTPUT_DIR": str(tmp_path / "out"),
@@ -122,7 +122,7 @@ def test_generation_parameters_out_of_range_are_refused_naming_the_option_and_it
 def test_stored_files_are_readable_as_any_other_file_of_the_process(tmp_path):
     """Batches, manifests and progress.json (LocalStorage.put, through mkstemp) were 0600: a
     training job running as another user could not read them."""
-    from dflash_tasks.storage import LocalStorage
+    from dflash_tasks.output.storage import LocalStorage
 
     umask = os.umask(0o022)
     os.umask(umask)

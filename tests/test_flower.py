@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import write_jsonl
 from support import ROOT, Proc, free_port, python, wait_until
 

@@ -1,14 +1,12 @@
-"""The job lifecycle (dflash_tasks/lifecycle.py) through manage.py, against a real Redis: every
+"""The job lifecycle (dflash_tasks/core/lifecycle.py) through manage.py, against a real Redis: every
 command refused in a state that does not allow it changes nothing; a failed enqueue leaves no
 job behind; cancel keeps every prompt counted, so resume finishes them all."""
 from __future__ import annotations
 
 import gzip
 import json
-import time
 
 import pytest
-
 from conftest import Cluster, write_jsonl
 from support import wait_until
 

@@ -1,4 +1,4 @@
-"""Bulk enqueue (dflash_tasks/loader.py, ledger/add_prompts.lua, ledger/unknown_ids.lua) and the
+"""Bulk enqueue (dflash_tasks/ingest/loader.py, ledger/add_prompts.lua, ledger/unknown_ids.lua) and the
 compact form of the stored messages, against the session's redis-server."""
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import json
 
 import redis
 
-from dflash_tasks.keys import JobKeys
+from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.ingest.loader import PromptLoader
+from dflash_tasks.ingest.prompts import Prompt
 from dflash_tasks.ledger import Ledger
-from dflash_tasks.loader import PromptLoader
-from dflash_tasks.prompts import Prompt, decode_messages, encode_messages, messages_json
+from dflash_tasks.ledger.messages import decode_messages, encode_messages, messages_json
 
 
 def prompts(n: int, start: int = 0) -> list[Prompt]:

@@ -7,15 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-
 from test_training_data import good_row, manage, write_batches
 
-from dflash_tasks.dataset import JobDataset
-from dflash_tasks.export import ExportError, export
-from dflash_tasks.storage import LocalStorage, StorageError
-from dflash_tasks.training_data.exports import export_training
-from dflash_tasks.training_data.gate import Rules
-from dflash_tasks.training_data.reader import InvalidManifest
+from dflash_tasks.output.export import ExportError, export
+from dflash_tasks.output.storage import LocalStorage, StorageError
+from dflash_tasks.training.data.exports import export_training
+from dflash_tasks.training.data.gate import Rules
+from dflash_tasks.training.data.reader import InvalidManifest
+from dflash_tasks.training.torch_dataset import JobDataset
 
 BAD_NAMES = ["../x", "/abs/x", "a/../../x", ""]
 
@@ -91,9 +90,9 @@ def test_a_training_run_named_outside_the_training_dir_is_refused(tmp_path, fiel
     """A run comes from Redis, which others write to: a run or job name that is not one
     `manage.py train` could have made is refused before its data/ and checkpoints/ (and
     SpecForge's cache under them) exist anywhere."""
-    from dflash_tasks.settings import Settings
-    from dflash_tasks.train_queue.execute import RunSession, TrainingError
-    from dflash_tasks.train_queue.runs import Run
+    from dflash_tasks.core.settings import Settings
+    from dflash_tasks.training.queue.execute import RunSession, TrainingError
+    from dflash_tasks.training.queue.runs import Run
 
     names = {"run": "j-train-1", "job": "j", field: name}
     run = Run(run=names["run"], job=names["job"], trainer="command", status="queued")
@@ -105,9 +104,9 @@ def test_a_training_run_named_outside_the_training_dir_is_refused(tmp_path, fiel
 
 
 def test_a_good_training_run_stays_under_the_training_dir(tmp_path):
-    from dflash_tasks.settings import Settings
-    from dflash_tasks.train_queue.execute import RunSession
-    from dflash_tasks.train_queue.runs import Run
+    from dflash_tasks.core.settings import Settings
+    from dflash_tasks.training.queue.execute import RunSession
+    from dflash_tasks.training.queue.runs import Run
 
     run = Run(run="j.v2-train-1", job="j.v2", trainer="command", status="queued")
     session = RunSession(None, run, Settings(train_dir=tmp_path / "training"),

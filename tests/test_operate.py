@@ -7,8 +7,8 @@ import json
 from conftest import write_jsonl
 from support import wait_until
 
-from dflash_tasks.sim.lengths import chat_plan
-from dflash_tasks.stats import percentile
+from dflash_dev.sim.lengths import chat_plan
+from dflash_tasks.output.stats import percentile
 
 SIM_ARGS = ("--slots", "40", "--decode-tps", "4000")
 

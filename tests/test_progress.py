@@ -8,12 +8,11 @@ from collections import Counter
 
 import pytest
 import redis as redis_lib
-
 from support import wait_until
 from test_pipeline import SIM_ARGS, dataset
 
-from dflash_tasks import jobs
-from dflash_tasks.keys import JobKeys
+from dflash_tasks.core import jobs
+from dflash_tasks.core.keys import JobKeys
 
 REQUIRED = ("total", "completed", "failed", "rate_per_sec", "eta_hours", "total_input_tokens",
             "total_output_tokens", "avg_output_tokens", "elapsed_hours", "s3_uploaded", "s3_bytes",
@@ -125,13 +124,13 @@ def _job(r, name: str, n: int, gpus: int = 2):
 
 
 def _settings(**kw):
-    from dflash_tasks.settings import Settings
+    from dflash_tasks.core.settings import Settings
 
     return Settings(**kw)
 
 
 def test_rate_is_over_the_recent_window_not_since_the_start(r):
-    from dflash_tasks.progress import RATE_BUCKET_S, snapshot
+    from dflash_tasks.output.progress import RATE_BUCKET_S, snapshot
 
     book = _job(r, "win", 100)
     for i in range(30):
@@ -153,7 +152,7 @@ def test_rate_is_over_the_recent_window_not_since_the_start(r):
 
 
 def test_old_rate_buckets_are_pruned(r):
-    from dflash_tasks.progress import RATE_BUCKET_S, prune_rate
+    from dflash_tasks.output.progress import RATE_BUCKET_S, prune_rate
 
     book = _job(r, "prune", 10)
     book.complete("prune", "p0", 0, _row(0, 0, 5, 1.0), gpus=1)
@@ -170,7 +169,7 @@ def test_old_rate_buckets_are_pruned(r):
 
 def test_reading_costs_the_same_at_any_size(r, monkeypatch):
     """The same Redis commands for 100 prompts as for 20,000: counters, not scans."""
-    from dflash_tasks.progress import snapshot
+    from dflash_tasks.output.progress import snapshot
 
     sent: list[str] = []
     real_execute = redis_lib.client.Pipeline.execute
@@ -210,10 +209,10 @@ def test_reading_costs_the_same_at_any_size(r, monkeypatch):
 
 
 def test_latency_percentiles_and_s3_totals_are_counted_once_per_batch(r, tmp_path):
-    from dflash_tasks.batches import BatchPolicy, BatchWriter
     from dflash_tasks.ledger import Ledger
-    from dflash_tasks.progress import snapshot
-    from dflash_tasks.storage import LocalStorage
+    from dflash_tasks.output.batches import BatchPolicy, BatchWriter
+    from dflash_tasks.output.progress import snapshot
+    from dflash_tasks.output.storage import LocalStorage
 
     class FakeRemote(LocalStorage):
         is_remote = True

@@ -1,4 +1,4 @@
-"""Tests for dflash_tasks.prompts: reading JSONL / Parquet prompt datasets."""
+"""Tests for dflash_tasks.ingest.prompts: reading JSONL / Parquet prompt datasets."""
 from __future__ import annotations
 
 import gzip
@@ -11,8 +11,15 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from dflash_tasks.prompts import (BadRow, DatasetError, Prompt, ReadSummary, content_id, iter_rows,
-                                  read_prompts)
+from dflash_tasks.ingest.prompts import (
+    BadRow,
+    DatasetError,
+    Prompt,
+    ReadSummary,
+    content_id,
+    iter_rows,
+    read_prompts,
+)
 
 USER_HI = ({"role": "user", "content": "hi"},)
 

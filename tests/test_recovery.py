@@ -4,11 +4,10 @@ every prompt at every moment, and the last commands without a state check have o
 from __future__ import annotations
 
 import pytest
-
 from conftest import Cluster, write_jsonl
 from support import Proc, free_port, wait_until
 
-from dflash_tasks.settings import Settings
+from dflash_tasks.core.settings import Settings
 
 
 def prompts(n: int) -> list[dict]:
@@ -120,7 +119,7 @@ def test_beat_does_not_mark_done_a_job_that_got_prompts_since_its_snapshot(tmp_p
     `done`), and when the state changed (a pause)."""
     import redis
 
-    from dflash_tasks import jobs
+    from dflash_tasks.core import jobs
 
     c = Cluster(tmp_path, redis_url)
     data = write_jsonl(tmp_path / "d.jsonl", prompts(10))

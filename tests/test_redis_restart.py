@@ -4,14 +4,11 @@ directory while prompts are being generated and retries wait. Workers and beat r
 themselves, recover within seconds, and every prompt ends in exactly one row."""
 from __future__ import annotations
 
-import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import redis
-
 from conftest import Cluster
 from failure_support import check_books, dataset, prompts
 from support import AofRedis, wait_until

@@ -12,9 +12,15 @@ from unittest import mock
 
 import pytest
 import zstandard
-
-from s3support import (AWS_ENV, BUCKET, TcpProxy, assert_shipped_exactly_once,
-                       progress_in_s3, s3_cluster, storage)
+from s3support import (
+    AWS_ENV,
+    BUCKET,
+    TcpProxy,
+    assert_shipped_exactly_once,
+    progress_in_s3,
+    s3_cluster,
+    storage,
+)
 from support import wait_until
 from test_pipeline import SIM_ARGS, dataset
 
@@ -30,7 +36,7 @@ def start(c, gpus=(0, 1), beat=True):
 # -- S3Storage on its own ------------------------------------------------------------------------
 
 def test_s3_storage_checksums_multipart_and_clear_errors(moto):
-    from dflash_tasks.storage import S3Storage, StorageError, StorageNotFound
+    from dflash_tasks.output.storage import S3Storage, StorageError, StorageNotFound
 
     with mock.patch.dict(os.environ, {**AWS_ENV, "AWS_ENDPOINT_URL": moto.url}):
         st = S3Storage(f"s3://{BUCKET}/pre/fix", multipart_threshold=5 * 1024 * 1024,
@@ -109,7 +115,7 @@ def test_run_ships_every_batch_to_s3_with_a_matching_manifest(cluster, moto, tmp
 
 
 def _rows_of(st, rec):
-    from dflash_tasks.batches import read_batch
+    from dflash_tasks.output.batches import read_batch
 
     return read_batch(st, rec)
 

@@ -7,7 +7,6 @@ output length (the tiny model always says the same 15 tokens; the sim says 24 pe
 from __future__ import annotations
 
 import pytest
-
 import sglang_checks as checks
 
 SIM_ARGS = ("--model-name", "tiny-qwen2", "--context-length", str(checks.CONTEXT_LENGTH),

@@ -13,9 +13,9 @@ from typing import Iterator
 
 import httpx
 import pytest
-
-from dflash_tasks.sim import lengths, tokens
 from support import Proc, free_port, python, wait_until
+
+from dflash_dev.sim import lengths, tokens
 
 MODEL = "Qwen/Qwen3-8B"
 
@@ -51,7 +51,7 @@ class Sim:
     def __init__(self, log_dir: Path, *args: str, wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = Proc(python("-m", "dflash_tasks.sim", "--port", str(self.port), *args),
+        self.proc = Proc(python("-m", "dflash_dev.sim", "--port", str(self.port), *args),
                          log_path=log_dir / f"sim-{self.port}.log")
         self.client = httpx.Client(base_url=self.url, timeout=30)
         if wait:

@@ -11,21 +11,25 @@ from pathlib import Path
 
 import pytest
 
-from test_training_data import generate_rows, sim_rows, sim_url, words, write_batches  # noqa: F401
-from tokenizer_support import build_tokenizer
-
-from dflash_tasks.sim import tokens as sim
-from dflash_tasks.storage import LocalStorage
-from dflash_tasks.train_queue import spec
-from dflash_tasks.train_queue.specforge import (HandoffError, export_rules, run_config,
-                                                template_for, write)
-from dflash_tasks.training_data.exports import export_training
-from dflash_tasks.training_data.gate import Rules
-from dflash_tasks.training_data.tokens import ChatTemplate, tokenize_row
-
 # Installed by `make install` (requirements-specforge.txt): a missing SpecForge fails here.
 import specforge.config as specforge_config  # noqa: E402
 from specforge.data.prompt_builder import prepare_prompt_tasks  # noqa: E402
+from test_training_data import generate_rows, sim_rows, sim_url, words, write_batches  # noqa: F401
+from tokenizer_support import build_tokenizer
+
+from dflash_dev.sim import tokens as sim
+from dflash_tasks.output.storage import LocalStorage
+from dflash_tasks.training.data.exports import export_training
+from dflash_tasks.training.data.gate import Rules
+from dflash_tasks.training.data.tokens import ChatTemplate, tokenize_row
+from dflash_tasks.training.queue import spec
+from dflash_tasks.training.queue.specforge import (
+    HandoffError,
+    export_rules,
+    run_config,
+    template_for,
+    write,
+)
 
 # A single turn and a multi-turn prompt on which the simulated model answers in both modes
 # without running past the cap: in CONVERSATIONS it gives the single turn no answer without

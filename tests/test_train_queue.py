@@ -11,15 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import write_jsonl
 from s3support import BUCKET, s3_cluster
+from specforge.config import load_config
 from support import ROOT, wait_until
 from test_training_data import good_row, six_token_row, write_batches
 from tokenizer_support import build_tokenizer
 
-from dflash_tasks.sim import tokens as sim
-from specforge.config import load_config
+from dflash_dev.sim import tokens as sim
 
 # Short, varied lengths: every row finishes, none is short, no one length dominates.
 SIM_ARGS = ("--slots", "16", "--median-tokens", "120", "--p-over-4096", "0.001",

@@ -14,19 +14,17 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-
 from conftest import write_jsonl
 from support import ROOT, Proc, free_port, python, wait_until
 from tokenizer_support import QWEN3_STYLE_TEMPLATE, build_tokenizer
 
-from dflash_tasks.jobs import GenerationParams
-from dflash_tasks.rows import build_row
+from dflash_dev.sim import tokens as sim
+from dflash_tasks.core.jobs import GenerationParams
+from dflash_tasks.output.rows import build_row
 from dflash_tasks.sglang.client import SGLangClient
-from dflash_tasks.sim import tokens as sim
-from dflash_tasks.training_data.exports import report_files
-from dflash_tasks.training_data.gate import Report, Rules, Thresholds, check_row
-from dflash_tasks.training_data.tokens import (ChatTemplate, compare, from_server_ids,
-                                               tokenize_row)
+from dflash_tasks.training.data.exports import report_files
+from dflash_tasks.training.data.gate import Report, Rules, Thresholds, check_row
+from dflash_tasks.training.data.tokens import ChatTemplate, compare, from_server_ids, tokenize_row
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +80,7 @@ def sim_url(tmp_path_factory) -> str:
     """A simulated SGLang server's URL, for the module's tests."""
     port = free_port()
     log = tmp_path_factory.mktemp("sim") / "sim.log"
-    proc = Proc(python("-m", "dflash_tasks.sim", "--port", str(port), "--decode-tps", "200000",
+    proc = Proc(python("-m", "dflash_dev.sim", "--port", str(port), "--decode-tps", "200000",
                        "--median-tokens", "300"), log)
     try:
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200,
@@ -376,8 +374,8 @@ def test_the_quality_window_restarts_when_regenerate_supersedes_rows(redis_url):
     the job's 3%): after a regenerate the window holds only rows made since."""
     import redis
 
-    from dflash_tasks.keys import JobKeys
-    from dflash_tasks.training_data.monitor import restart_window, sample_quality
+    from dflash_tasks.core.keys import JobKeys
+    from dflash_tasks.training.data.monitor import restart_window, sample_quality
 
     r = redis.Redis.from_url(redis_url)
 

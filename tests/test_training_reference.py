@@ -1,4 +1,4 @@
-"""The reference DFlash trainer (dflash_tasks.training) on a tiny random Qwen3, CPU only: the
+"""The reference DFlash trainer (dflash_tasks.training.reference) on a tiny random Qwen3, CPU only: the
 blocks' attention mask, labels and weights against hand-built ones; the loss falling on rows
 that are the target's own greedy continuations, and the drafter then predicting what the target
 itself generates; resume giving the same losses as an uninterrupted run; config errors."""
@@ -11,19 +11,29 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_training_data import write_batches
 from tiny_target import build_tiny_target
 
-from dflash_tasks.sim import tokens as sim
-from dflash_tasks.training import (TrainConfig, greedy_acceptance, load_config, load_drafter,
-                                   train)
-from dflash_tasks.training.blocks import (IGNORE, block_attention_mask, block_loss, build_blocks,
-                                          decay_weights, sample_anchors)
-from dflash_tasks.training.checkpoints import read_spec
-from dflash_tasks.training.evaluate import greedy_continuation
-from dflash_tasks.training.model import Drafter
-from dflash_tasks.training.target import default_layer_ids, layer_ids, load_target
+from dflash_dev.sim import tokens as sim
+from dflash_tasks.training.reference import (
+    TrainConfig,
+    greedy_acceptance,
+    load_config,
+    load_drafter,
+    train,
+)
+from dflash_tasks.training.reference.blocks import (
+    IGNORE,
+    block_attention_mask,
+    block_loss,
+    build_blocks,
+    decay_weights,
+    sample_anchors,
+)
+from dflash_tasks.training.reference.checkpoints import read_spec
+from dflash_tasks.training.reference.evaluate import greedy_continuation
+from dflash_tasks.training.reference.model import Drafter
+from dflash_tasks.training.reference.target import default_layer_ids, layer_ids, load_target
 
 JOB = "greedy"
 BLOCK = 4

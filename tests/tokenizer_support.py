@@ -1,5 +1,5 @@
 """A small tokenizer built by the tests, saved locally, that reproduces the simulated server's
-token ids (dflash_tasks/sim/tokens.py) under a Qwen3-style chat template.
+token ids (dflash_dev/sim/tokens.py) under a Qwen3-style chat template.
 
 - model: `tokenizers` WordLevel over whitespace-split pieces: `w<i>` -> i for every ordinary id
   the simulated model can emit; other words the tests use (role names and the like) are
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_tasks.sim import tokens as sim
+from dflash_dev.sim import tokens as sim
 
 QWEN3_STYLE_TEMPLATE = r"""
 {%- if messages[0].role == 'system' -%}
@@ -65,7 +65,15 @@ EXTRA_WORDS = ("system", "user", "assistant", "tool")
 
 def build_tokenizer(dest: Path, words: tuple[str, ...] = ()) -> Path:
     """Write tokenizer.json and tokenizer_config.json into dest; returns dest."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+    )
 
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)

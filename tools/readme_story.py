@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_tasks.local import LocalCluster, free_port, wait_for  # noqa: E402
+from dflash_dev.local import LocalCluster, free_port, wait_for  # noqa: E402
 
 README = ROOT / "README.md"
 MARKER = "<!-- output: tools/readme_story.py -->"

@@ -30,7 +30,7 @@ COMMANDS = {
     "worker": "dflash_tasks.cli.processes:worker",
     "beat": "dflash_tasks.cli.processes:beat",
     "flower": "dflash_tasks.cli.processes:flower",
-    "sim-server": "dflash_tasks.sim.cli:sim_server",
+    "sim-server": "dflash_dev.sim.cli:sim_server",  # a development tool, not in the image
 }
 
 
@@ -42,7 +42,13 @@ class LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         module, attr = COMMANDS[name].split(":")
-        return getattr(importlib.import_module(module), attr)
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as exc:
+            if exc.name != "dflash_dev":
+                raise
+            raise click.UsageError(f"`{name}` is a development tool (dflash_dev/, in the "
+                                   "repository), not part of this installation") from None
 
 
 @click.group(cls=LazyGroup,
@@ -52,7 +58,7 @@ def cli() -> None:
 
 
 def main() -> None:
-    from ..storage import StorageError
+    from dflash_tasks.output.storage import StorageError
 
     try:
         cli(prog_name="manage.py")

@@ -7,8 +7,8 @@ import click
 import redis
 from rich.console import Console
 
-from .. import jobs, lifecycle
-from ..settings import get_settings, redact_url
+from dflash_tasks.core import jobs, lifecycle
+from dflash_tasks.core.settings import get_settings, redact_url
 
 console = Console()
 err_console = Console(stderr=True)
@@ -55,7 +55,7 @@ def generation_options(f):
 
 
 def redis_or_fail() -> redis.Redis:
-    from ..connections import redis_client
+    from dflash_tasks.core.connections import redis_client
 
     r = redis_client()
     try:

@@ -8,7 +8,13 @@ import click
 from rich.padding import Padding
 from rich.text import Text
 
-from .common import allowed_or_fail, console, err_console, job_or_fail, redis_or_fail
+from dflash_tasks.cli.common import (
+    allowed_or_fail,
+    console,
+    err_console,
+    job_or_fail,
+    redis_or_fail,
+)
 
 _REASON_HELP = ("A reason (invalid_request, model_not_found, empty_response, internal_error, "
                 "unavailable, timeout, bad_response, aborted) or a class (transient, permanent). "
@@ -55,7 +61,7 @@ def _when(ts) -> str:
 def failed(name: str, as_json: bool, limit: int) -> None:
     """A job's failed registry, grouped by reason, with the retry counters and each GPU
     worker's circuit breaker."""
-    from ..failures import summary
+    from dflash_tasks.dispatch.failures import summary
 
     r = redis_or_fail()
     job_or_fail(r, name)
@@ -91,8 +97,8 @@ def failed(name: str, as_json: bool, limit: int) -> None:
 def retry_failed(name: str, reason: str | None, gpu: int | None, dry_run: bool, as_json: bool) -> None:
     """Dispatch failed prompts again. Each leaves the registry in the same atomic step that puts
     it back in the job's dispatch list, so running this twice never sends a prompt twice."""
-    from ..celery_app import app
-    from ..failures import retry_failed as run
+    from dflash_tasks.dispatch.failures import retry_failed as run
+    from dflash_tasks.tasks.app import app
 
     r = redis_or_fail()
     job = job_or_fail(r, name)

@@ -1,25 +1,31 @@
 """Steering a job while it runs: list jobs, pause, resume, cancel, delete, change its parameters.
-Each command asks the lifecycle (dflash_tasks.lifecycle) whether the job's state allows it."""
+Each command asks the lifecycle (dflash_tasks.core.lifecycle) whether the job's state allows it."""
 from __future__ import annotations
 
 import click
 from rich.table import Table
 
-from .. import jobs
-from .common import (allowed_or_fail, change_state, console, generation_options, job_or_fail,
-                     redis_or_fail)
+from dflash_tasks.cli.common import (
+    allowed_or_fail,
+    change_state,
+    console,
+    generation_options,
+    job_or_fail,
+    redis_or_fail,
+)
+from dflash_tasks.core import jobs
 
 
 @click.command("jobs")
 def list_jobs() -> None:
     """Every job with its status and progress."""
-    from ..connections import ledger
+    from dflash_tasks.ledger import shared_ledger
 
     r = redis_or_fail()
     table = Table("job", "status", "done", "total", "failed", "max_tokens", "gpus")
     for name in jobs.names(r):
         job = jobs.load(r, name)
-        c = ledger().counters(name)
+        c = shared_ledger().counters(name)
         table.add_row(name, job.status, f"{c.get('completed', 0):,}", f"{c.get('total', 0):,}",
                       f"{c.get('failed', 0):,}", str(job.params.max_tokens), str(job.gpus))
     console.print(table)
@@ -38,8 +44,8 @@ def pause(name: str) -> None:
 @click.option("--job", "name", required=True)
 def resume(name: str) -> None:
     """Dispatch the job's prompts again."""
-    from .. import dispatch
-    from ..celery_app import app
+    from dflash_tasks import dispatch
+    from dflash_tasks.tasks.app import app
 
     r = redis_or_fail()
     job = job_or_fail(r, name)
@@ -54,9 +60,11 @@ def resume(name: str) -> None:
 def cancel(name: str) -> None:
     """Stop dispatching the job for good; rows already made are kept, and the prompts never
     generated stay counted (`resume` finishes them, `delete` removes the job)."""
+    from dflash_tasks import dispatch
+
     r = redis_or_fail()
     change_state(r, "cancel", job_or_fail(r, name))
-    never = jobs.cancel(r, name)
+    never = dispatch.withdraw_cancelled(r, name)
     console.print(f"job {name}: cancelled; {never:,} prompts were never generated "
                   f"(`manage.py resume --job {name}` generates them, `delete` removes the job)")
 

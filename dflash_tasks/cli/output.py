@@ -6,9 +6,9 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from ..settings import get_settings
-from .common import console, err_console
-from .validate import training_options
+from dflash_tasks.cli.common import console, err_console
+from dflash_tasks.cli.validate import training_options
+from dflash_tasks.core.settings import get_settings
 
 
 @click.command()
@@ -25,16 +25,17 @@ def export(name: str, dest: Path, source: str | None, allow_partial: bool, **tra
     and that the row count equals the job's completed count. With --format, write the rows
     that pass the quality gate's rules in a training format instead."""
     if training["fmt"] != "batches":
-        from .validate import export_format
+        from dflash_tasks.cli.validate import export_format
 
         return export_format(name, dest, source, **training)
     import redis
 
-    from ..batches import ChecksumMismatch
-    from ..connections import redis_client
-    from ..export import ExportError, expected_completed, export as run_export
-    from ..keys import JobKeys, check_job_name
-    from ..storage import StorageError, storage_at, storage_for
+    from dflash_tasks.core.connections import redis_client
+    from dflash_tasks.core.keys import JobKeys, check_job_name
+    from dflash_tasks.output.batches import ChecksumMismatch
+    from dflash_tasks.output.export import ExportError, expected_completed
+    from dflash_tasks.output.export import export as run_export
+    from dflash_tasks.output.storage import StorageError, storage_at, storage_for
 
     try:
         check_job_name(name)

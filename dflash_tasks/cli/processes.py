@@ -7,9 +7,8 @@ import sys
 
 import click
 
-from ..settings import get_settings, redact_url
-from .common import err_console
-
+from dflash_tasks.cli.common import err_console
+from dflash_tasks.core.settings import get_settings, redact_url
 
 # -- processes ----------------------------------------------------------------------------------
 
@@ -46,7 +45,7 @@ def worker(gpu: int | None, queue: str | None, sglang_url: str | None, concurren
            loglevel: str) -> None:
     """A Celery worker pinned to one GPU's queue and server (--gpu), or the training worker
     (--queue train)."""
-    from ..sglang import SGLangClient, SGLangError
+    from dflash_tasks.sglang import SGLangClient, SGLangError
 
     if queue == "train":
         # Threads, not prefork: the run executes in this process, so a warm shutdown (TERM)
@@ -98,7 +97,8 @@ def beat(loglevel: str) -> None:
 def flower(port: int, address: str, no_auth: bool) -> None:
     """Flower, the Celery web UI, against the broker, with basic auth from
     DFLASH_FLOWER_BASIC_AUTH (user:password[,user2:password2])."""
-    credentials = os.environ.get("DFLASH_FLOWER_BASIC_AUTH", "")
+    secret = get_settings().flower_basic_auth
+    credentials = secret.get_secret_value() if secret else ""
     if not credentials and not no_auth:
         raise click.UsageError("set DFLASH_FLOWER_BASIC_AUTH=user:password, or pass --no-auth "
                                "explicitly to serve Flower without authentication")

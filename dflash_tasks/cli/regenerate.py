@@ -6,8 +6,8 @@ import json
 
 import click
 
-from ..settings import get_settings
-from .common import allowed_or_fail, console, job_or_fail, redis_or_fail
+from dflash_tasks.cli.common import allowed_or_fail, console, job_or_fail, redis_or_fail
+from dflash_tasks.core.settings import get_settings
 
 CHUNK = 500
 
@@ -22,18 +22,19 @@ CHUNK = 500
 def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int | None) -> None:
     """Generate again the prompts whose row ended with FINISH_REASON. The new row replaces the
     old one (readers keep the newest row per id); counters and progress.json follow."""
-    from .. import dispatch, jobs
-    from ..batches import iter_newest_rows
-    from ..celery_app import app
-    from ..connections import ledger
-    from ..continuation import entry_from_row
-    from ..storage import StorageError, storage_for
+    from dflash_tasks import dispatch
+    from dflash_tasks.core import jobs
+    from dflash_tasks.ledger import shared_ledger
+    from dflash_tasks.output.batches import iter_newest_rows
+    from dflash_tasks.output.storage import StorageError, storage_for
+    from dflash_tasks.sglang.continuation import entry_from_row
+    from dflash_tasks.tasks.app import app
 
     r = redis_or_fail()
     job = job_or_fail(r, name)
     allowed_or_fail("regenerate", job)
     cap = job.params.max_tokens
-    book = ledger()
+    book = shared_ledger()
     reopened = continued = saved = 0
     batch: list[tuple[dict, dict]] = []
 
@@ -70,7 +71,7 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
         failure = exc
     flush()
     if reopened:
-        from ..training_data.monitor import restart_window
+        from dflash_tasks.training.data.monitor import restart_window
 
         restart_window(r, name)  # its facts of the rows just superseded would still count
     if reopened and job.status == "done":

@@ -10,11 +10,16 @@ from rich.live import Live
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .. import jobs, lifecycle
-from ..settings import get_settings
-from .common import (allowed_or_fail, console, err_console, generation_options, job_or_fail,
-                     redis_or_fail)
-
+from dflash_tasks.cli.common import (
+    allowed_or_fail,
+    console,
+    err_console,
+    generation_options,
+    job_or_fail,
+    redis_or_fail,
+)
+from dflash_tasks.core import jobs, lifecycle
+from dflash_tasks.core.settings import get_settings
 
 # -- enqueue ------------------------------------------------------------------------------------
 
@@ -31,12 +36,12 @@ from .common import (allowed_or_fail, console, err_console, generation_options, 
 def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top_k, thinking,
             limit, gpus, follow) -> None:
     """Store a dataset's prompts as a job and start dispatching them; resumes a known job."""
-    from .. import dispatch
-    from ..celery_app import app
-    from ..connections import ledger
-    from ..keys import WORKERS, check_job_name
-    from ..loader import CHUNK, PromptLoader
-    from ..prompts import DatasetError, ReadSummary, read_prompts
+    from dflash_tasks import dispatch
+    from dflash_tasks.core.keys import WORKERS, check_job_name
+    from dflash_tasks.ingest.loader import CHUNK, PromptLoader
+    from dflash_tasks.ingest.prompts import DatasetError, ReadSummary, read_prompts
+    from dflash_tasks.ledger import shared_ledger
+    from dflash_tasks.tasks.app import app
 
     try:
         check_job_name(name)
@@ -63,7 +68,7 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
         jobs.save(r, name, params, gpus=gpus, dataset=str(dataset), status=lifecycle.LOADING)
     # Chunks are stored by a sender thread while the next ones are read; on a resume only the
     # prompts the job does not know yet are encoded and sent (loader.py).
-    loader = PromptLoader(r, ledger(), name, resume=existing is not None)
+    loader = PromptLoader(r, shared_ledger(), name, resume=existing is not None)
     try:
         prompts = read_prompts(dataset, limit=limit, summary=summary)
         with Progress(SpinnerColumn(), TextColumn("[bold]reading {task.description}"),
@@ -109,9 +114,9 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
 
 
 def _print_enqueue_summary(r, job, summary, added, params, gpus) -> None:
-    from ..connections import ledger
+    from dflash_tasks.ledger import shared_ledger
 
-    c = ledger().counters(job.name)
+    c = shared_ledger().counters(job.name)
     total, done, failed = c.get("total", 0), c.get("completed", 0), c.get("failed", 0)
     for bad in summary.bad[:20]:
         err_console.print(f"[yellow]skipped[/] {bad.reason}")
@@ -134,7 +139,7 @@ def _print_enqueue_summary(r, job, summary, added, params, gpus) -> None:
 # -- status -------------------------------------------------------------------------------------
 
 def _snapshot(r, name: str) -> dict:
-    from ..progress import snapshot
+    from dflash_tasks.output.progress import snapshot
 
     job_or_fail(r, name)
     return snapshot(r, name, get_settings())
@@ -202,7 +207,7 @@ def _status_table(snap: dict, width: int | None = None) -> Table:
 
 
 def _watch(r, name: str, until_done: bool) -> None:
-    from ..progress import is_finished
+    from dflash_tasks.output.progress import is_finished
 
     with Live(_status_table(_snapshot(r, name)), console=console, refresh_per_second=1) as live:
         while True:

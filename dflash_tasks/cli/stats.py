@@ -6,8 +6,8 @@ import json
 import click
 from rich.table import Table
 
-from ..settings import get_settings
-from .common import console, job_or_fail, redis_or_fail
+from dflash_tasks.cli.common import console, job_or_fail, redis_or_fail
+from dflash_tasks.core.settings import get_settings
 
 
 def _row(t: Table, label: str, s: dict) -> None:
@@ -24,8 +24,8 @@ def _row(t: Table, label: str, s: dict) -> None:
 def stats(name: str, as_json: bool, sample: int, plot: str | None) -> None:
     """Output-token percentiles, finish reasons, truncation (while thinking or in the answer),
     reasoning against answer length, empty answers, think markers in content, per GPU."""
-    from ..stats import counter_hist, job_stats, plot_lengths
-    from ..storage import storage_for
+    from dflash_tasks.output.stats import counter_hist, job_stats, plot_lengths
+    from dflash_tasks.output.storage import storage_for
 
     r = redis_or_fail()
     job = job_or_fail(r, name)

@@ -8,11 +8,11 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .common import console, redis_or_fail
+from dflash_tasks.cli.common import console, redis_or_fail
 
 
 def _spec(config: Path | None, trainer: str, command: str | None) -> dict:
-    from ..train_queue.spec import SpecError, build, read_config
+    from dflash_tasks.training.queue.spec import SpecError, build, read_config
 
     try:
         return build(read_config(config), trainer, command, source=str(config or "--config"))
@@ -24,10 +24,10 @@ def _spec(config: Path | None, trainer: str, command: str | None) -> dict:
 def _check_job(r, name: str, waits: bool) -> None:
     """A run that waits for its trigger needs a job this deployment runs; one that starts now
     needs shipped batches (in Redis's manifest, or a manifest in storage from elsewhere)."""
-    from .. import jobs
-    from ..batches import manifest_key
-    from ..settings import get_settings
-    from ..storage import StorageError, storage_for
+    from dflash_tasks.core import jobs
+    from dflash_tasks.core.settings import get_settings
+    from dflash_tasks.output.batches import manifest_key
+    from dflash_tasks.output.storage import StorageError, storage_for
 
     try:
         job = jobs.load(r, name)
@@ -58,7 +58,7 @@ def _check_job(r, name: str, waits: bool) -> None:
                    "generates (reference trainer).")
 @click.option("--trainer", type=click.Choice(["reference", "command"]), default="reference",
               show_default=True,
-              help="reference: dflash_tasks.training (online DFlash in torch); command: an "
+              help="reference: dflash_tasks.training.reference (online DFlash in torch); command: an "
                    "external trainer (SpecForge's CLI by default) on an export of the rows.")
 @click.option("--command", "command", metavar="TEMPLATE",
               help="The command trainer's command line, with {placeholders}: {data_path} "
@@ -74,8 +74,8 @@ def train(job: str, after_done: bool, min_rows: int | None, trainer: str, comman
     """Queue a training run of the job's rows for a training worker (manage.py worker --queue
     train). The quality gate (validate) runs first and refuses the run when the data fails it.
     Without --after-done or --min-rows it is queued now, on the rows shipped so far."""
-    from ..train_queue import runs
-    from ..tasks.train import send
+    from dflash_tasks.tasks.train import send
+    from dflash_tasks.training.queue import runs
 
     if after_done and min_rows:
         raise click.UsageError("--after-done and --min-rows are exclusive")
@@ -113,7 +113,7 @@ def train(job: str, after_done: bool, min_rows: int | None, trainer: str, comman
 def train_cancel(run_name: str | None, job: str | None) -> None:
     """Cancel a training run: at once when it has not started, else its worker stops the
     trainer (a checkpoint is kept) and marks it cancelled."""
-    from ..train_queue import runs
+    from dflash_tasks.training.queue import runs
 
     if (run_name is None) == (job is None):
         raise click.UsageError("pass --run NAME or --job NAME")
@@ -159,7 +159,7 @@ def _fmt(v, spec: str = "") -> str:
 def train_status(run_name: str | None, job: str | None, as_json: bool) -> None:
     """Training runs: status, step, loss, per-position accuracy, tokens/s, exit code, duration,
     checkpoints."""
-    from ..train_queue import runs
+    from dflash_tasks.training.queue import runs
 
     r = redis_or_fail()
     if run_name:

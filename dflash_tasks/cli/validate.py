@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from ..settings import get_settings
-from .common import console, err_console
+from dflash_tasks.cli.common import console, err_console
+from dflash_tasks.core.settings import get_settings
 
 _SHARE = click.FloatRange(0.0, 1.0)
 
@@ -33,7 +33,7 @@ def _rule_options(f):
 
 def training_options(f):
     """`export --format` and the rules its training formats apply (added to cli/output.py)."""
-    from ..training_data.exports import FORMATS
+    from dflash_tasks.training.data.exports import FORMATS
 
     f = _rule_options(f)
     return click.option("--format", "fmt", type=click.Choice(["batches", *FORMATS]),
@@ -47,8 +47,8 @@ def training_options(f):
 
 
 def _storage(source: str | None, name: str):
-    from ..storage import storage_at, storage_for
-    from ..training_data.reader import job_storage
+    from dflash_tasks.output.storage import storage_at, storage_for
+    from dflash_tasks.training.data.reader import job_storage
 
     s = get_settings()
     return job_storage(storage_at(source, s) if source else storage_for(s), name)
@@ -57,7 +57,7 @@ def _storage(source: str | None, name: str):
 def _template(path: Path | None):
     if path is None:
         return None
-    from ..training_data.tokens import ChatTemplate, TokenizeError
+    from dflash_tasks.training.data.tokens import ChatTemplate, TokenizeError
 
     try:
         return ChatTemplate.load(path)
@@ -66,8 +66,8 @@ def _template(path: Path | None):
 
 
 def _job_state(storage, name: str) -> dict | None:
-    from ..batches import progress_key
-    from ..storage import StorageError
+    from dflash_tasks.output.batches import progress_key
+    from dflash_tasks.output.storage import StorageError
 
     try:
         return json.loads(storage.get(progress_key(name)))
@@ -76,7 +76,7 @@ def _job_state(storage, name: str) -> dict | None:
 
 
 def _check_name(name: str) -> None:
-    from ..keys import check_job_name
+    from dflash_tasks.core.keys import check_job_name
 
     try:
         check_job_name(name)
@@ -174,11 +174,11 @@ def validate(name: str, source: str | None, tokenizer: Path | None, min_loss_tok
     loss-mask distribution (and a spike at one value), empty answers and reasoning, think
     markers in the text, truncation, duplicate ids and rows over the max length; exits 1 with
     the reasons when a threshold is crossed, so a training launch can depend on it."""
-    from ..batches import ChecksumMismatch
-    from ..storage import StorageError
-    from ..training_data.exports import validate_job
-    from ..training_data.gate import Rules, Thresholds
-    from ..training_data.reader import NoManifest
+    from dflash_tasks.output.batches import ChecksumMismatch
+    from dflash_tasks.output.storage import StorageError
+    from dflash_tasks.training.data.exports import validate_job
+    from dflash_tasks.training.data.gate import Rules, Thresholds
+    from dflash_tasks.training.data.reader import NoManifest
 
     _check_name(name)
     storage = _storage(source, name)
@@ -216,11 +216,11 @@ def validate(name: str, source: str | None, tokenizer: Path | None, min_loss_tok
 def export_format(name: str, dest: Path, source: str | None, *, fmt: str, tokenizer: Path | None,
                   min_loss_tokens: int, max_length: int, keep_truncated: bool) -> None:
     """The training formats of `manage.py export` (called from cli/output.py)."""
-    from ..batches import ChecksumMismatch
-    from ..storage import StorageError
-    from ..training_data.exports import export_training, report_files
-    from ..training_data.gate import REASONS, Rules
-    from ..training_data.reader import NoManifest
+    from dflash_tasks.output.batches import ChecksumMismatch
+    from dflash_tasks.output.storage import StorageError
+    from dflash_tasks.training.data.exports import export_training, report_files
+    from dflash_tasks.training.data.gate import REASONS, Rules
+    from dflash_tasks.training.data.reader import NoManifest
 
     _check_name(name)
     storage = _storage(source, name)
@@ -255,7 +255,7 @@ def export_format(name: str, dest: Path, source: str | None, *, fmt: str, tokeni
     t.add_row("report", str(Path(dest) / report_name) + ", dropped ids in "
               + str(Path(dest) / dropped_name))
     if fmt == "specforge-conversations" and out.kept:
-        from ..train_queue.specforge import HandoffError, template_for
+        from dflash_tasks.training.queue.specforge import HandoffError, template_for
 
         try:
             t.add_row("SpecForge", f"data.chat_template: {template_for(None, dict(out.thinking))}"

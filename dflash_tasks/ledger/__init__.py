@@ -1,19 +1,23 @@
-"""The job's books in Redis: prompts, dispatch windows, done marks, counters and output rows.
+"""The books in Redis: a job's prompts, dispatch windows, done marks, counters and output rows,
+plus the compare-and-set steps of batch sealing and of training runs.
 
-Each multi-step change is one Lua script beside this file, so it is atomic and reviewable on its
-own; this module only names the keys each script touches.
+Every Lua script of the project is a file beside this one, so each multi-step change is atomic
+and reviewable on its own; this module alone registers them and names the keys each one touches.
+`messages` is the stored form of a prompt's conversation.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import redis
 
-from ..keys import JobKeys
-from ..prompts import decode_messages
+from dflash_tasks.core.connections import redis_client
+from dflash_tasks.core.keys import JobKeys, queue_for
+from dflash_tasks.ledger.messages import decode_messages
 
 _HERE = Path(__file__).parent
 HIST_BUCKET_TOKENS = 64   # output-length histogram resolution, for percentiles without scans
@@ -38,8 +42,8 @@ class Ledger:
         self._scripts = {
             name: client.register_script("".join(
                 (_HERE / f"{part}.lua").read_text() for part in (prelude.get(name), name) if part))
-            for name in ("add_prompts", "take", "complete", "fail", "record_batch", "retry",
-                         "requeue_failed", "reopen", "recall")}
+            for name in ("unknown_ids", "add_prompts", "take", "complete", "fail", "record_batch", "retry",
+                         "requeue_failed", "reopen", "recall", "clear_sealing", "train_run_set")}
 
     # -- enqueue ---------------------------------------------------------------------------------
 
@@ -50,11 +54,23 @@ class Ledger:
         return int(self._scripts["add_prompts"](keys=[k.prompts, k.pending, k.done, k.counters],
                                                 args=argv))
 
+    def unknown_positions(self, job: str, ids: Sequence[str]) -> list[int]:
+        """The 0-based positions of the ids the job neither stores nor has done (a resumed
+        enqueue sends only those prompts' messages)."""
+        k = JobKeys(job)
+        return [i - 1 for i in self._scripts["unknown_ids"](keys=[k.prompts, k.done], args=list(ids))]
+
     # -- dispatch --------------------------------------------------------------------------------
 
-    def take(self, job: str, gpu: int, window: int) -> list[str]:
+    def take(self, job: str, gpu: int, window: int, *, gpus: int, task: str, origin: str,
+             reply_to: str) -> list[str]:
+        """Top gpu's window up from pending and publish a `task` message per id taken onto its
+        queue, in one call; at the end of the run, steal from the job's other `gpus` (take.lua).
+        Returns the ids taken."""
         k = JobKeys(job)
-        ids = self._scripts["take"](keys=[k.config, k.pending, k.inflight(gpu)], args=[window])
+        others = [key for g in range(gpus) if g != gpu for key in (queue_for(g), k.inflight(g))]
+        ids = self._scripts["take"](keys=[k.config, k.pending, k.inflight(gpu), queue_for(gpu), *others],
+                                    args=[window, job, gpu, task, origin, reply_to])
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
     def task_state(self, job: str, prompt_id: str, gpu: int) -> TaskState:
@@ -144,6 +160,18 @@ class Ledger:
         return bool(self._scripts["record_batch"](keys=[k.manifest, k.counters],
                                                   args=[name, json.dumps(record), record["bytes"], *extra]))
 
+    def clear_sealing(self, job: str, intent: str) -> bool:
+        """Clear the job's sealing intent if it is still `intent` (batches.py's last step)."""
+        return bool(self._scripts["clear_sealing"](keys=[JobKeys(job).sealing], args=[intent]))
+
+    # -- training runs ---------------------------------------------------------------------------
+
+    def set_train_run_if(self, run_key: str, args: list) -> str | None:
+        """train_run_set.lua on a run's hash (training/queue/runs.py builds `args`): the status
+        the run had, or None when it was not in an allowed state or not owned as required."""
+        old = self._scripts["train_run_set"](keys=[run_key], args=args)
+        return old.decode() if old else None
+
     # -- reading ---------------------------------------------------------------------------------
 
     def counters(self, job: str) -> dict[str, int]:
@@ -157,3 +185,9 @@ def _other_inflights(k: JobKeys, gpu: int, gpus: int) -> list[str]:
 
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+@lru_cache(maxsize=1)
+def shared_ledger() -> Ledger:
+    """The process's Ledger, on its Redis client."""
+    return Ledger(redis_client())

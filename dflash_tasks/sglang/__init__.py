@@ -1,8 +1,20 @@
 """The SGLang HTTP client and its error hierarchy."""
-from .client import Completion, Generation, SGLangClient
-from .errors import (PERMANENT_REASONS, REASONS, TRANSIENT_REASONS, BadResponse, EmptyResponse,
-                     InvalidRequest, ModelNotFound, PermanentError, RequestAborted, RequestTimeout,
-                     ServerUnavailable, SGLangError, TransientError)
+from dflash_tasks.sglang.client import Completion, Generation, SGLangClient
+from dflash_tasks.sglang.errors import (
+           PERMANENT_REASONS,
+           REASONS,
+           TRANSIENT_REASONS,
+           BadResponse,
+           EmptyResponse,
+           InvalidRequest,
+           ModelNotFound,
+           PermanentError,
+           RequestAborted,
+           RequestTimeout,
+           ServerUnavailable,
+           SGLangError,
+           TransientError,
+)
 
 __all__ = ["Completion", "Generation", "SGLangClient", "SGLangError", "TransientError", "PermanentError",
            "ServerUnavailable", "RequestTimeout", "BadResponse", "InvalidRequest", "ModelNotFound",

@@ -14,8 +14,15 @@ from typing import Any
 
 import httpx
 
-from .errors import (BadResponse, EmptyResponse, RequestAborted, RequestTimeout, ServerUnavailable,
-                     SGLangError, error_for_status)
+from dflash_tasks.sglang.errors import (
+    BadResponse,
+    EmptyResponse,
+    RequestAborted,
+    RequestTimeout,
+    ServerUnavailable,
+    SGLangError,
+    error_for_status,
+)
 
 # httpx logs every request at INFO: at 40 requests in flight per GPU that drowns the worker log.
 logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -8,18 +8,20 @@ import json
 import logging
 import time
 
-from .. import dispatch, jobs
-from ..batches import BatchPolicy, BatchWriter, progress_key
-from ..celery_app import app
-from ..connections import ledger, redis_client
-from ..keys import BEAT_SEEN, JobKeys
-from ..locks import HeldLock, LockLost
-from ..progress import is_finished, prune_rate, snapshot
-from ..settings import get_settings
-from ..storage import LocalStorage, StorageError, storage_for
-from ..train_queue import launch
-from ..training_data.monitor import sample_quality
-from .train import send as send_training
+from dflash_tasks import dispatch
+from dflash_tasks.core import jobs
+from dflash_tasks.core.connections import redis_client
+from dflash_tasks.core.keys import BEAT_SEEN, JobKeys
+from dflash_tasks.core.locks import HeldLock, LockLost
+from dflash_tasks.core.settings import get_settings
+from dflash_tasks.ledger import shared_ledger
+from dflash_tasks.output.batches import BatchPolicy, BatchWriter, progress_key
+from dflash_tasks.output.progress import is_finished, prune_rate, snapshot
+from dflash_tasks.output.storage import LocalStorage, StorageError, storage_for
+from dflash_tasks.tasks.app import app
+from dflash_tasks.tasks.train import send as send_training
+from dflash_tasks.training.data.monitor import sample_quality
+from dflash_tasks.training.queue import launch
 
 log = logging.getLogger(__name__)
 ACTIVE = ("running", "paused")
@@ -28,7 +30,7 @@ STORAGE_WARN_EVERY_S = 300  # while storage keeps failing, one warning per this 
 
 def batch_writer() -> BatchWriter:
     s = get_settings()
-    return BatchWriter(redis_client(), ledger(), storage_for(s), BatchPolicy.from_settings(s),
+    return BatchWriter(redis_client(), shared_ledger(), storage_for(s), BatchPolicy.from_settings(s),
                        lock_ttl_s=s.lock_ttl_s)
 
 

@@ -33,18 +33,18 @@ from typing import Callable, TypeVar
 import redis
 from celery.exceptions import Reject, Retry
 
-from .. import breaker as breakers
-from .. import shutdown
-from ..celery_app import app
-from ..connections import ledger
-from ..continuation import continue_generation
-from ..dispatch import GENERATE, job_gpus, topup
-from ..jobs import GenerationParams
-from ..keys import queue_for
-from ..rows import build_row
-from ..settings import get_settings
-from ..sglang import PermanentError, SGLangClient, SGLangError, TransientError
-from .. import worker_hooks  # noqa: F401  (registers the worker's start-up signals)
+from dflash_tasks.core.jobs import GenerationParams
+from dflash_tasks.core.keys import queue_for
+from dflash_tasks.core.settings import get_settings
+from dflash_tasks.dispatch import GENERATE, job_gpus, topup
+from dflash_tasks.ledger import shared_ledger
+from dflash_tasks.output.rows import build_row
+from dflash_tasks.sglang import PermanentError, SGLangClient, SGLangError, TransientError
+from dflash_tasks.sglang.continuation import continue_generation
+from dflash_tasks.tasks.app import app
+from dflash_tasks.worker import breaker as breakers
+from dflash_tasks.worker import hooks as worker_hooks  # noqa: F401  (registers the worker's start-up signals)
+from dflash_tasks.worker import shutdown
 
 log = logging.getLogger(__name__)
 _clients: dict[str, SGLangClient] = {}
@@ -115,7 +115,7 @@ def generate(self, job: str, prompt_id: str, gpu: int, tries: int = 0) -> dict:
 
 
 def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
-    book = ledger()
+    book = shared_ledger()
     if shutdown.requested():
         raise Reject("worker shutting down: prompt returned to its queue", requeue=True)
     state = durable("reading the prompt", book.task_state, job, prompt_id, gpu)
@@ -208,7 +208,7 @@ def _record_failure(job: str, prompt_id: str, gpu: int, *, reason: str, klass: s
     record = {"id": prompt_id, "reason": reason, "class": klass, "error": error[:2000],
               "status": status, "attempts": attempts, "gpu": gpu, "at": round(time.time(), 3)}
     durable("recording a failure",
-            lambda: ledger().fail(job, prompt_id, gpu, record, gpus=job_gpus(job)))
+            lambda: shared_ledger().fail(job, prompt_id, gpu, record, gpus=job_gpus(job)))
     log.warning("prompt %s failed (%s, %s) on gpu%d after %d attempt(s): %s", prompt_id, klass,
                 reason, gpu, attempts, error[:500])
     raise PromptFailed(f"{reason}: {error[:500]}")

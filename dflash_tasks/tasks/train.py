@@ -1,5 +1,5 @@
 """The training worker's task, on the `train` queue (`manage.py worker --queue train`,
-concurrency 1, on a GPU node): one training run, as train_queue/execute.py describes.
+concurrency 1, on a GPU node): one training run, as training/queue/execute.py describes.
 
 Acknowledged on receipt, not after it ran: a run lasts days, far past the broker's visibility
 timeout, after which an unacknowledged message would be delivered again and a second copy
@@ -8,11 +8,11 @@ queued again; the trainer resumes from its last checkpoint.
 """
 from __future__ import annotations
 
-from ..celery_app import app
-from ..connections import redis_client
-from ..settings import get_settings
-from ..train_queue import runs
-from ..train_queue.execute import RunSession
+from dflash_tasks.core.connections import redis_client
+from dflash_tasks.core.settings import get_settings
+from dflash_tasks.tasks.app import app
+from dflash_tasks.training.queue import runs
+from dflash_tasks.training.queue.execute import RunSession
 
 
 @app.task(name=runs.TASK, bind=True, acks_late=False, track_started=True, ignore_result=False)

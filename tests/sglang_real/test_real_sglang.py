@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 import sglang_checks as checks
 from support import ROOT, Proc, free_port, wait_until
 

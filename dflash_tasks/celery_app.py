@@ -1,9 +1,0 @@
-"""The Celery application. Configuration lives in the repository's top-level celeryconfig.py."""
-from celery import Celery
-
-app = Celery("dflash_tasks")
-app.config_from_object("celeryconfig")
-
-from .worker_hooks import RestoreOnConnect  # noqa: E402  (the app must exist first)
-
-app.steps["consumer"].add(RestoreOnConnect)

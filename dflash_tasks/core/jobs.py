@@ -1,0 +1,129 @@
+"""A job: its name, generation parameters and status, stored in Redis so every worker sees a
+change at the next prompt it takes."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, fields
+
+import redis
+
+from dflash_tasks.core.keys import JOBS, JobKeys, check_job_name
+from dflash_tasks.core.lifecycle import STATES as STATUSES
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    max_tokens: int = 8192
+    temperature: float = 0.6       # Qwen3's recommended thinking-mode sampling
+    top_p: float = 0.95
+    top_k: int | None = 20
+    enable_thinking: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1 and self.top_k != -1:
+            raise ValueError(f"top_k must be >= 1 (or -1 for all), got {self.top_k}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GenerationParams":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def replace(self, **changes) -> "GenerationParams":
+        return GenerationParams(**{**asdict(self), **{k: v for k, v in changes.items() if v is not None}})
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    name: str
+    params: GenerationParams
+    status: str
+    gpus: int
+    dataset: str
+    created_at: float
+
+    @property
+    def keys(self) -> JobKeys:
+        return JobKeys(self.name)
+
+
+def load(r: redis.Redis, name: str) -> Job | None:
+    raw = r.hgetall(JobKeys(check_job_name(name)).config)
+    if not raw:
+        return None
+    d = {k.decode(): v.decode() for k, v in raw.items()}
+    return Job(name=name, params=GenerationParams.from_dict(json.loads(d["params"])),
+               status=d.get("status", "running"), gpus=int(d.get("gpus", 1)),
+               dataset=d.get("dataset", ""), created_at=float(d.get("created_at", 0)))
+
+
+def save(r: redis.Redis, name: str, params: GenerationParams, *, gpus: int, dataset: str,
+         status: str = "running") -> Job:
+    """Create the job or update it (a resume with new parameters)."""
+    k = JobKeys(check_job_name(name))
+    pipe = r.pipeline()
+    pipe.hsetnx(k.config, "created_at", time.time())
+    pipe.hset(k.config, mapping={"params": json.dumps(asdict(params)), "gpus": gpus,
+                                 "dataset": dataset, "status": status})
+    pipe.sadd(JOBS, name)
+    pipe.execute()
+    job = load(r, name)
+    assert job is not None
+    return job
+
+
+def transition(r: redis.Redis, name: str, expect: str, status: str,
+               expect_total: int | None = None) -> bool:
+    """Set the job's status to `status` only if it is still `expect` (and, with `expect_total`,
+    its prompt count is still that): a command checked against the state it read, and beat's
+    `done` against the total it saw, never overwrite a change made since (an enqueue adding
+    prompts, a pause). False when something changed; nothing is written then."""
+    if status not in STATUSES:
+        raise ValueError(f"unknown status {status!r}; one of {', '.join(STATUSES)}")
+    k = JobKeys(name)
+    with r.pipeline() as pipe:
+        try:
+            pipe.watch(k.config, *([k.counters] if expect_total is not None else []))
+            current = pipe.hget(k.config, "status")
+            if current is None or current.decode() != expect or (
+                    expect_total is not None and int(pipe.hget(k.counters, "total") or 0) != expect_total):
+                return False
+            pipe.multi()
+            pipe.hset(k.config, "status", status)
+            pipe.execute()
+            return True
+        except redis.WatchError:
+            return False
+
+
+def names(r: redis.Redis) -> list[str]:
+    return sorted(m.decode(errors="replace") for m in r.smembers(JOBS))
+
+
+def update_params(r: redis.Redis, name: str, **changes) -> tuple[GenerationParams, GenerationParams]:
+    """Change a job's generation parameters; every prompt not yet sent to a server uses them
+    (tasks read them when they run). Returns (old, new)."""
+    job = load(r, name)
+    if job is None:
+        raise KeyError(name)
+    new = job.params.replace(**changes)
+    r.hset(JobKeys(name).config, "params", json.dumps(asdict(new)))
+    return job.params, new
+
+
+def delete(r: redis.Redis, name: str) -> int:
+    """Remove every Redis key of the job and its name; batches already shipped stay where they
+    are. Returns how many keys were removed."""
+    k = JobKeys(check_job_name(name))
+    keys = [k.config, *(key for key in r.scan_iter(match=k.every_key, count=1000))]
+    pipe = r.pipeline()
+    pipe.delete(*keys)
+    pipe.srem(JOBS, name)
+    removed, _ = pipe.execute()
+    return int(removed)

@@ -1,0 +1,117 @@
+"""Every Redis key the project owns, in one place. docs/ARCHITECTURE.md explains each one.
+
+Per-job keys carry the job name in braces, a Redis Cluster hash tag, so the multi-key Lua
+scripts of the ledger touch one slot.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFIX = "dflash"
+JOBS = f"{PREFIX}:jobs"          # set: every job name ever enqueued
+WORKERS = f"{PREFIX}:workers"    # hash: "gpu3" -> JSON {concurrency, hostname, url, seen_at}
+BREAKERS = f"{PREFIX}:breakers"  # hash: "gpu3" -> JSON {state, consecutive_failures, last_error, ...}
+SERVERS = f"{PREFIX}:servers"    # hash: "gpu3" -> JSON of its SGLang server's /metrics sample
+WORKERS_SEEN = f"{PREFIX}:workers:seen"  # hash: "gpu3" -> Redis time of the worker's last heartbeat
+BEAT_SEEN = f"{PREFIX}:beat:seen"  # string: Redis time of beat's last tick (status: is beat running?)
+
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+def check_job_name(name: str) -> str:
+    if not _JOB_NAME.match(name):
+        raise ValueError(f"invalid job name {name!r}: use letters, digits, '_', '.', '-' "
+                         "(at most 100, starting with a letter or digit)")
+    return name
+
+
+def queue_for(gpu: int) -> str:
+    return f"gpu{gpu}"
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    job: str
+
+    def _k(self, name: str) -> str:
+        return f"{PREFIX}:{{{self.job}}}:{name}"
+
+    @property
+    def config(self) -> str:      # hash: params (JSON), status, gpus, dataset, created_at
+        return self._k("config")
+
+    @property
+    def prompts(self) -> str:     # hash: prompt id -> JSON messages; removed once done
+        return self._k("prompts")
+
+    @property
+    def pending(self) -> str:     # list: ids not yet dispatched, in dataset order
+        return self._k("pending")
+
+    def inflight(self, gpu: int) -> str:  # zset: ids dispatched to gpuN -> dispatch time
+        return self._k(f"inflight:{gpu}")
+
+    @property
+    def every_key(self) -> str:   # SCAN pattern of every key of the job (they share its hash tag)
+        return self._k("*").replace("{", "\\{").replace("}", "\\}")
+
+    @property
+    def done(self) -> str:        # set: ids whose row is in the output
+        return self._k("done")
+
+    @property
+    def failed(self) -> str:      # hash: id -> JSON {reason, error, attempts, gpu, at}
+        return self._k("failed")
+
+    @property
+    def failures(self) -> str:    # hash: id -> times it entered the failed registry (kept for history)
+        return self._k("failures")
+
+    @property
+    def counters(self) -> str:    # hash: total, completed, failed, tokens, per reason, per GPU
+        return self._k("counters")
+
+    @property
+    def rate(self) -> str:        # hash: "c:<bucket>" completions, "t:<bucket>" output tokens
+        return self._k("rate")
+
+    @property
+    def output(self) -> str:      # stream: finished rows waiting to be sealed into a batch
+        return self._k("output")
+
+    @property
+    def sealing(self) -> str:     # string: JSON of the batch being written (crash recovery)
+        return self._k("sealing")
+
+    @property
+    def manifest(self) -> str:    # hash: batch name -> JSON {rows, bytes, sha256, ...}
+        return self._k("manifest")
+
+    @property
+    def flush_lock(self) -> str:  # string with TTL: one batch writer at a time
+        return self._k("lock:flush")
+
+    @property
+    def tick_lock(self) -> str:   # string with TTL: one beat tick (seal + progress.json) at a time
+        return self._k("lock:tick")
+
+    def quality(self, part: str) -> str:  # training/data/monitor.py: cursor, window, sampled, ...
+        return self._k(f"quality:{part}")
+
+    @property
+    def storage_error(self) -> str:  # hash: error, since, last_at, failures (while storage fails)
+        return self._k("storage_error")
+
+
+# Training runs (dflash_tasks/training/queue): one hash per run, the set of runs, a per-job counter
+# that names them. A run is not a job's data, so its keys carry no job hash tag.
+TRAIN_RUNS = f"{PREFIX}:train:runs"  # zset: run name -> created time
+
+
+def train_run(run: str) -> str:     # hash: the run (runs.py says every field)
+    return f"{PREFIX}:train:run:{run}"
+
+
+def train_seq(job: str) -> str:     # counter: the job's last run number (runs are job-train-N)
+    return f"{PREFIX}:train:seq:{job}"

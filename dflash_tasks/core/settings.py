@@ -1,0 +1,167 @@
+"""Process-wide configuration, read once from the environment (DFLASH_*).
+
+Per-job generation parameters (max tokens, sampling, thinking) are not here: they belong to the
+job and live in Redis, so `manage.py set` reaches every worker without a restart.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DFLASH_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    output_dir: Path = Path("output")
+    s3_uri: str | None = None
+    # Workers and beat refuse a Redis that persists nothing (neither AOF nor RDB): its restart
+    # loses the whole ledger. True accepts that (a throw-away run).
+    allow_no_persistence: bool = False
+
+    # The SGLang server a worker calls: DFLASH_SGLANG_URL pins it; otherwise the GPU index picks
+    # http://{sglang_host}:{sglang_base_port + gpu}, the layout workers/launch_node.py starts.
+    sglang_url: str | None = None
+    sglang_host: str = "127.0.0.1"
+    sglang_base_port: int = 30000
+
+    # HTTP client. A thinking-mode generation of 8,192 tokens behind a full server can take many
+    # minutes, so the read timeout is long; SGLang drops idle keep-alive connections after 5 s, so
+    # ours expire first.
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float = 1800.0
+    keepalive_expiry_s: float = 4.0
+
+    # Dispatch: each GPU queue holds its worker's concurrency plus this share of it in reserve,
+    # so a finished request is replaced from the broker at once while Redis holds no backlog.
+    window_factor: float = 1.5
+    default_concurrency: int = 64
+
+    # Retries of transient failures: exponential backoff with full jitter, back on the same GPU's
+    # queue. Only requests actually sent count (a prompt held back by an open circuit breaker
+    # spends no attempt). 20 retries: even without the breaker, the waits of a prompt add up to
+    # less than five minutes fewer than once in 10^5 (none in 400,000 draws; the median is 15
+    # minutes), so a server down for five minutes costs no prompt. A waiting retry is an
+    # ETA message held unacknowledged in the worker: keep retry_cap_s far below the visibility
+    # timeout.
+    retry_base_s: float = 2.0
+    retry_cap_s: float = 120.0
+    max_retries: int = 20
+
+    # Circuit breaker, per worker process and server: after this many consecutive transient
+    # failures the worker stops sending requests, probes /health (backoff from probe_base_s to
+    # probe_cap_s) and resumes after breaker_close_after consecutive 200s. A task waits for the
+    # breaker at most breaker_wait_s, then puts its prompt back in the queue (no attempt spent).
+    breaker_threshold: int = 10
+    breaker_close_after: int = 3
+    breaker_probe_base_s: float = 1.0
+    breaker_probe_cap_s: float = 30.0
+    breaker_wait_s: float = 600.0
+
+    # Warm shutdown (SIGTERM): requests in flight get this long to finish, then they are aborted
+    # on the server and their prompts go back to the queue. Below the deployments' stop grace
+    # period (5 minutes in docker-compose.yml and workers/launch_node.py).
+    shutdown_grace_s: float = 240.0
+
+    # A task whose Redis goes away (a Redis restart) retries its ledger writes this long before
+    # giving up; its message is then redelivered after the visibility timeout.
+    redis_outage_s: float = 300.0
+    # How often workers look for unacknowledged messages older than the visibility timeout
+    # (kombu's restore sweep; kombu's default is about every 100 s).
+    unacked_restore_interval_s: int = 10
+
+    # Batches: sealed at this many rows or bytes, or when the oldest waiting row is this old.
+    batch_rows: int = 1000
+    batch_bytes: int = 64 * 1024 * 1024
+    batch_max_age_s: float = 300.0
+
+    # Each GPU worker samples its server's /metrics this often (status, progress.json).
+    server_metrics_interval_s: float = 10.0
+
+    progress_interval_s: float = Field(5.0, description="beat period of progress.json and batches")
+    rate_window_s: float = 300.0
+
+    # S3 (on when s3_uri is set). Credentials, region, endpoint (AWS_ENDPOINT_URL) and retries
+    # (AWS_MAX_ATTEMPTS) come from boto3's standard chain, never from here. Objects at or above
+    # the threshold go up as parallel multipart uploads of this part size.
+    s3_multipart_threshold_bytes: int = 8 * 1024 * 1024
+    s3_multipart_chunk_bytes: int = 8 * 1024 * 1024
+    s3_max_concurrency: int = 4
+    s3_connect_timeout_s: float = 10.0
+    s3_read_timeout_s: float = 60.0
+
+    # Beat's per-job locks (tick, batch sealing) expire this long after their holder stops
+    # renewing them (a beat killed mid-tick); a live holder renews them every third of it.
+    lock_ttl_s: float = 60.0
+
+    # A GPU worker refreshes its heartbeat this often; progress.json calls it alive while the
+    # last one is under three periods old.
+    worker_heartbeat_s: float = 5.0
+
+    # A prompt dispatched this long ago and still not done has lost its message (a broker restart
+    # without persistence): the reaper dispatches it again. Longer than the visibility timeout, so
+    # Celery's own redelivery goes first.
+    visibility_timeout_s: int = 4 * 3600
+    reap_after_s: int = 5 * 3600
+    # A prompt in flight this long with no task message for it anywhere (its GPU's queue, or
+    # unacknowledged in a worker) lost it to a broker crash (a Redis restart with appendfsync
+    # everysec can lose the last second of writes): beat's maintain, every maintain_interval_s,
+    # dispatches it again. Two looks a second apart cover a message on its way between places.
+    lost_message_grace_s: float = 20.0
+    maintain_interval_s: float = 10.0
+    # A GPU whose worker has not stamped its heartbeat for this long (killed, its node lost,
+    # never started) gets nothing new, and the prompts dispatched to it before then go back to
+    # pending for the job's other GPUs. Longer than a worker restart takes.
+    worker_gone_after_s: int = 180
+
+    # Training runs (manage.py train): their directories (checkpoints, train.log, metrics.jsonl,
+    # the export a command trainer reads) on the training node, under train_dir or else
+    # <output_dir>/training. A running run's task stamps a heartbeat every train_heartbeat_s;
+    # beat queues a run whose heartbeat is older than train_stale_s again (its worker died: the
+    # trainer resumes from its last checkpoint), at most train_max_restarts times.
+    train_dir: Path | None = None
+    train_heartbeat_s: float = 10.0
+    train_stale_s: float = 300.0
+    train_max_restarts: int = 3
+
+    # A starting worker waits this long for its SGLang server's /health (a large model loads for
+    # many minutes), then takes work anyway and lets its breaker handle a server still down.
+    health_wait_s: float = 3600.0
+
+    # `manage.py flower`'s basic auth: user:password[,user2:password2]. A secret: never logged.
+    flower_basic_auth: SecretStr | None = None
+
+    # Fault injection for the crash-safety tests of batch sealing (output/batches.py): beat exits
+    # at this step. Never set in a deployment.
+    crash_at: str | None = None
+
+    def training_dir(self) -> Path:
+        return self.train_dir or self.output_dir / "training"
+
+    def longest_unacked_s(self) -> float:
+        """The longest a prompt's message can stay unacknowledged in a healthy worker: a request
+        to its timeout, its retry wait, a wait on an open breaker. The visibility timeout must
+        exceed it, or the broker delivers the message again while it is still being worked on."""
+        return (self.connect_timeout_s + self.request_timeout_s + self.retry_cap_s
+                + self.breaker_wait_s)
+
+    def sglang_url_for(self, gpu: int) -> str:
+        return self.sglang_url or f"http://{self.sglang_host}:{self.sglang_base_port + gpu}"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -1,0 +1,273 @@
+"""Windowed dispatch: each GPU queue holds about its worker's concurrency times a small factor
+of tasks; every finished task tops its own queue up from the job's pending list. So no
+million-message backlog sits in the broker, and a faster GPU simply takes more prompts."""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import time
+from datetime import datetime
+from functools import lru_cache
+
+import redis
+from celery import Celery
+
+from dflash_tasks.core import jobs
+from dflash_tasks.core.connections import redis_client
+from dflash_tasks.core.keys import WORKERS, WORKERS_SEEN, JobKeys, queue_for
+from dflash_tasks.core.settings import get_settings
+from dflash_tasks.ledger import shared_ledger
+
+GENERATE = "dflash_tasks.generate"
+UNACKED = "unacked"   # kombu's Redis transport: delivered, not yet acknowledged messages
+log = logging.getLogger(__name__)
+_CAPACITY_TTL_S = 30.0
+_capacity_cache: dict[int, tuple[float, int]] = {}
+
+
+def worker_concurrency(gpu: int) -> int:
+    """The concurrency the GPU's worker registered at start-up (cached briefly)."""
+    now = time.monotonic()
+    cached = _capacity_cache.get(gpu)
+    if cached and now - cached[0] < _CAPACITY_TTL_S:
+        return cached[1]
+    raw = redis_client().hget(WORKERS, queue_for(gpu))
+    concurrency = json.loads(raw)["concurrency"] if raw else get_settings().default_concurrency
+    _capacity_cache[gpu] = (now, concurrency)
+    return concurrency
+
+
+def window_for(gpu: int) -> int:
+    return max(1, math.ceil(worker_concurrency(gpu) * get_settings().window_factor))
+
+
+def publish(app: Celery, job: str, gpu: int, prompt_ids: list[str]) -> None:
+    if not prompt_ids:
+        return
+    with app.producer_or_acquire() as producer:
+        for prompt_id in prompt_ids:
+            app.send_task(GENERATE, args=(job, prompt_id, gpu), queue=queue_for(gpu),
+                          producer=producer)
+
+
+def topup(app: Celery, job: str, gpu: int) -> int:
+    """Fill gpu's window for job from pending; returns how many tasks were published.
+
+    One round trip: take.lua moves the ids to the GPU's in-flight set and LPUSHes their Celery
+    messages in the same call (no kombu publish, no task-sent event per refill). Once pending is
+    empty, a GPU with an empty queue takes one waiting prompt from the longest other queue of the
+    job (see take.lua): the end of a run is not spent waiting for the slowest GPU's backlog."""
+    ids = shared_ledger().take(job, gpu, window_for(gpu), gpus=job_gpus(job), task=GENERATE,
+                        origin=_origin(), reply_to=app.thread_oid)
+    return len(ids)
+
+
+_gpus_cache: dict[str, tuple[float, int]] = {}
+
+
+def job_gpus(job: str) -> int:
+    """How many GPU queues the job uses (cached briefly, like the worker concurrency)."""
+    now = time.monotonic()
+    cached = _gpus_cache.get(job)
+    if cached and now - cached[0] < _CAPACITY_TTL_S:
+        return cached[1]
+    gpus = int(redis_client().hget(JobKeys(job).config, "gpus") or 1)
+    _gpus_cache[job] = (now, gpus)
+    return gpus
+
+
+@lru_cache(maxsize=1)
+def _origin() -> str:
+    from celery.utils.nodenames import anon_nodename
+
+    return anon_nodename()
+
+
+def withdraw_cancelled(r: redis.Redis, name: str) -> int:
+    """What follows a job's move to cancelled (after it: take.lua dispatches nothing from then
+    on): its messages still queued are withdrawn, requests already running finish and are kept.
+    The prompts not generated stay in the job, counted in its total, so `resume` finishes them
+    all. Returns how many wait."""
+    job = jobs.load(r, name)
+    for gpu in range(job.gpus if job else 0):
+        withdraw(r, name, gpu, everything=False)
+    return int(r.llen(JobKeys(name).pending))
+
+
+def withdraw(r: redis.Redis, job: str, gpu: int, *, everything: bool) -> int:
+    """Remove `job`'s queued messages from `gpu`'s queue and put their prompts back in front of
+    pending; with `everything` (a GPU the job no longer uses), also the prompts whose messages a
+    worker already holds. Requests already running finish either way (the ledger keeps one row).
+    Returns how many prompts went back."""
+    withdrawn = _remove_queued(r, job, gpu)
+    book = shared_ledger()
+    back = book.recall(job, gpu, withdrawn) if withdrawn else 0
+    return back + (book.recall(job, gpu) if everything else 0)
+
+
+def _remove_queued(r: redis.Redis, job: str, gpu: int, only: set[str] | None = None) -> list[str]:
+    """Take `job`'s messages (those of the ids in `only`, if given) out of `gpu`'s queue; returns
+    the ids whose message this call removed (a worker may pop one first)."""
+    queue = queue_for(gpu)
+    removed = []
+    for raw in r.lrange(queue, 0, -1):
+        job_of, prompt_id = _job_and_id(raw)
+        if job_of == job and (only is None or prompt_id in only) and r.lrem(queue, 1, raw):
+            removed.append(prompt_id)
+    return removed
+
+
+def reap(app: Celery, job: str, gpu: int, older_than_s: float) -> int:
+    """Dispatch again the prompts in flight on `gpu` whose message is gone; returns how many.
+
+    Two ways to be gone: (1) in flight for `older_than_s` (a broker restart without persistence
+    loses every message); (2) in flight for `lost_message_grace_s` with no message for it in the
+    GPU's queue nor among the broker's unacknowledged messages, on two looks a second apart. (2)
+    happens even with persistence: a Redis crash between a worker's BRPOP and its write of the
+    unacknowledged record, a BRPOP reply lost with the connection, a top-up whose publish failed
+    after it took the ids. A copy that still exists somewhere is harmless: the ledger counts a
+    prompt once."""
+    r = redis_client()
+    key = JobKeys(job).inflight(gpu)
+    now = time.time()
+    stale = {m.decode() for m in r.zrangebyscore(key, "-inf", now - older_than_s, start=0, num=10_000)}
+    lost = find_lost(r, job, gpu, get_settings().lost_message_grace_s) - stale
+    if lost:
+        log.warning("job %s gpu%d: %d prompt(s) in flight without a message anywhere "
+                    "(a broker crash lost them); dispatching them again", job, gpu, len(lost))
+    again = sorted(stale | lost)
+    if again:
+        r.zadd(key, {m: now for m in again}, xx=True)
+        publish(app, job, gpu, again)
+    return len(again)
+
+
+def find_lost(r: redis.Redis, job: str, gpu: int, grace_s: float) -> set[str]:
+    """Ids in flight on `gpu` for `grace_s` or more whose task message is neither in the GPU's
+    queue nor unacknowledged in any worker (ETA retries included), on two looks."""
+    key = JobKeys(job).inflight(gpu)
+    cutoff = time.time() - grace_s
+    old = {m.decode() for m in r.zrangebyscore(key, "-inf", cutoff, start=0, num=10_000)}
+    if not old:
+        return set()
+    missing = old - messages_present(r, job, gpu)
+    if not missing:
+        return set()
+    time.sleep(1.0)  # a message between BRPOP and its unacked record shows on the second look
+    missing -= messages_present(r, job, gpu, fresh=True)
+    if not missing:
+        return set()
+    scores = r.zmscore(key, sorted(missing))
+    return {m for m, score in zip(sorted(missing), scores) if score is not None and score <= cutoff}
+
+
+_unacked_cache: tuple[float, set[tuple[str, str]]] = (0.0, set())
+
+
+def messages_present(r: redis.Redis, job: str, gpu: int, fresh: bool = False) -> set[str]:
+    """Prompt ids of `job` with a generate message in queue gpuN or unacknowledged anywhere.
+    The unacknowledged set is read once for all GPUs of a maintain run (cached 5 s)."""
+    global _unacked_cache
+    present = {pid for j, pid in map(_job_and_id, r.lrange(queue_for(gpu), 0, -1)) if j == job}
+    at, unacked = _unacked_cache
+    if fresh or time.monotonic() - at > 5.0:
+        unacked = {_job_and_id(payload) for _, payload, _, _ in _unacked(r)}
+        _unacked_cache = (time.monotonic(), unacked)
+    return present | {pid for j, pid in unacked if j == job}
+
+
+def _unacked(r: redis.Redis):
+    """(delivery tag, message, exchange, routing key) of every message kombu's transport holds
+    unacknowledged (`unacked`: tag -> [message, exchange, routing key]); an entry it cannot read
+    is passed over."""
+    for tag, raw in r.hscan_iter(UNACKED, count=1000):
+        try:
+            payload, exchange, routing_key = json.loads(raw)
+        except (ValueError, TypeError):
+            continue
+        yield tag.decode() if isinstance(tag, bytes) else tag, payload, exchange, routing_key
+
+
+def _job_and_id(entry) -> tuple[str, str]:
+    """(job, prompt id) of a generate task message in kombu's envelope; ("", "") otherwise."""
+    try:
+        payload = json.loads(entry) if isinstance(entry, (bytes, str)) else entry
+        if payload.get("headers", {}).get("task") != GENERATE:
+            return "", ""
+        body = payload["body"]
+        if payload.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        return str(args[0]), str(args[1])
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return "", ""
+
+
+def restore_unheld(app: Celery, queues: list[str], held: set[str]) -> int:
+    """Put back in their queue the unacknowledged messages of `queues` whose delivery tag is not
+    in `held` (what this worker is running now). A GPU worker calls it each time its consumer
+    (re)connects: at start-up, what a killed predecessor held; after a Redis restart, its own
+    retries that were waiting for their ETA, which Celery drops with the lost connection. They
+    come back now instead of after the visibility timeout (hours). One worker consumes a GPU
+    queue, so nobody else can hold them; a copy that is in fact still running somewhere is
+    harmless (the ledger records a prompt once). Returns how many were restored."""
+    tags = [tag for tag, _, exchange, routing_key in _unacked(redis_client())
+            if (routing_key in queues or exchange in queues) and tag not in held]
+    if not tags:
+        return 0
+    with app.connection_for_write() as conn:
+        qos = conn.default_channel.qos
+        for tag in tags:
+            qos.restore_by_tag(tag)
+    return len(tags)
+
+
+def waiting_retries(r: redis.Redis, job: str) -> dict[int, list[str]]:
+    """gpu -> ids of `job` whose retry message waits for its ETA in a worker (unacknowledged),
+    for status's accounting. Candidates only: the caller intersects them
+    with the in-flight sets in the same transaction as its other reads."""
+    now = time.time()
+    waiting: dict[int, list[str]] = {}
+    for _, payload, _, routing_key in _unacked(r):
+        _collect_waiting(payload, routing_key, job, now, waiting)
+    return waiting
+
+
+def _collect_waiting(payload, queue: str, job: str, now: float, into: dict[int, list[str]]) -> None:
+    if not (isinstance(queue, str) and queue.startswith("gpu") and queue[3:].isdigit()):
+        return
+    eta = (payload.get("headers") or {}).get("eta") if isinstance(payload, dict) else None
+    if not eta:
+        return
+    try:
+        due = datetime.fromisoformat(eta).timestamp()
+    except (TypeError, ValueError):
+        return
+    job_of, prompt_id = _job_and_id(payload)
+    if job_of == job and due > now:
+        into.setdefault(int(queue[3:]), []).append(prompt_id)
+
+
+def gone_gpus(r: redis.Redis, gpus: range, after_s: float) -> set[int]:
+    """The GPUs among `gpus` whose worker has not stamped its heartbeat (heartbeat.py) for
+    `after_s`, or never did, or stopped cleanly (which removes the stamp)."""
+    seconds, micros = r.time()
+    now = seconds + micros / 1e6
+    stamps = r.hmget(WORKERS_SEEN, [queue_for(g) for g in gpus]) if gpus else []
+    return {g for g, stamp in zip(gpus, stamps) if stamp is None or now - float(stamp) > after_s}
+
+
+def drain_gone(r: redis.Redis, job: str, gpu: int, older_than_s: float) -> int:
+    """A GPU whose worker is gone (no heartbeat for `older_than_s`, or none ever): put the prompts
+    dispatched to it more than `older_than_s` ago back in front of pending, withdrawing their
+    queued messages, so the job's other GPUs generate them. A message the dead worker still held
+    comes back with it, finds its prompt no longer in flight there, and is skipped. Returns how
+    many went back."""
+    key = JobKeys(job).inflight(gpu)
+    old = {m.decode() for m in r.zrangebyscore(key, "-inf", time.time() - older_than_s)}
+    if not old:
+        return 0
+    _remove_queued(r, job, gpu, only=old)
+    return shared_ledger().recall(job, gpu, sorted(old))

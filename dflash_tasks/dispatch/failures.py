@@ -1,0 +1,162 @@
+"""The failed registry of a job: what is in it, grouped by reason, and putting prompts back.
+
+A prompt enters the registry (ledger/fail.lua) on a permanent error at once, or when its
+transient retries are exhausted. Each entry records: id, reason (the error's class name: e.g.
+invalid_request, timeout), class (permanent or transient), the last error text (the server's
+message), HTTP status, attempts (requests sent in the round that failed), GPU and time; the
+`failures` hash keeps how many times the prompt has entered the registry.
+
+`retry_failed` moves selected entries back to the front of the job's pending list in one atomic
+step per chunk (ledger/requeue_failed.lua), then tops every GPU's window up so they are sent at
+once. An entry moves only if it is still exactly the record read, so the operation is idempotent
+and safe against a crash or a second run at the same time. The `failed` counter drops as prompts
+move out; `completed` rises as they succeed; one that fails again re-enters the registry, once,
+with its new error (no loop: nothing retries a registry entry by itself).
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import redis
+from celery import Celery
+
+from dflash_tasks import dispatch
+from dflash_tasks.core import jobs
+from dflash_tasks.core.keys import BREAKERS, JobKeys
+from dflash_tasks.ledger import shared_ledger
+from dflash_tasks.sglang import PERMANENT_REASONS, TRANSIENT_REASONS
+
+CHUNK = 500
+CLASSES = ("transient", "permanent")
+
+
+def record_class(record: dict) -> str:
+    if record.get("class") in CLASSES:
+        return record["class"]
+    return "transient" if record.get("transient") or record.get("reason") in TRANSIENT_REASONS \
+        else "permanent"
+
+
+def matches(record: dict, reason: str | None, gpu: int | None) -> bool:
+    if gpu is not None and record.get("gpu") != gpu:
+        return False
+    if reason is None:
+        return True
+    return reason in (record.get("reason"), record_class(record))
+
+
+def read(r: redis.Redis, job: str) -> list[tuple[str, str, dict]]:
+    """Every registry entry as (id, raw JSON, parsed record with `failures` added)."""
+    entries = []
+    for prompt_id, raw in shared_ledger().failed_records(job):
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            record = {"reason": "unknown", "error": raw[:2000]}
+        record.setdefault("id", prompt_id)
+        entries.append((prompt_id, raw, record))
+    if entries:
+        times = r.hmget(JobKeys(job).failures, [e[0] for e in entries])
+        for (_, _, record), n in zip(entries, times):
+            record["failures"] = int(n) if n else 1
+    return entries
+
+
+def summary(r: redis.Redis, job: str) -> dict:
+    """The registry grouped by reason, plus the retry counters and the breakers' states."""
+    entries = read(r, job)
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for _, _, record in entries:
+        groups[record.get("reason", "unknown")].append(record)
+    reasons = {}
+    for reason, records in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        records.sort(key=lambda rec: rec.get("at") or 0)
+        errors = Counter(rec.get("error", "") for rec in records)
+        reasons[reason] = {
+            "class": record_class(records[0]),
+            "count": len(records),
+            "gpus": dict(sorted(Counter(f"gpu{rec.get('gpu')}" for rec in records).items())),
+            "errors": [{"error": e, "count": n} for e, n in errors.most_common(5)],
+            "prompts": records,
+        }
+    counters = shared_ledger().counters(job)
+    retries = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("retry:")}
+    return {
+        "job": job,
+        "failed": len(entries),
+        "failed_counter": counters.get("failed", 0),
+        "by_class": dict(Counter(record_class(rec) for _, _, rec in entries)),
+        "reasons": reasons,
+        "retries": counters.get("retries", 0),
+        "retries_by_reason": retries,
+        "requeued": counters.get("requeued", 0),
+        "breakers": breakers(r),
+    }
+
+
+def breakers(r: redis.Redis) -> dict:
+    out = {}
+    for gpu, raw in sorted(r.hgetall(BREAKERS).items()):
+        try:
+            out[gpu.decode()] = json.loads(raw)
+        except ValueError:
+            continue
+    return out
+
+
+@dataclass
+class RetryReport:
+    requeued: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+    missing: int = 0            # left in the registry: the prompt's messages are gone
+    skipped_changed: int = 0    # changed or gone between reading and moving (another run)
+    dispatched: int = 0         # tasks published right away (the rest wait for a window slot)
+    status: str = ""
+
+    def as_dict(self) -> dict:
+        return {"requeued": self.requeued, "by_reason": self.by_reason, "missing": self.missing,
+                "skipped_changed": self.skipped_changed, "dispatched": self.dispatched,
+                "status": self.status}
+
+
+def retry_failed(app: Celery, r: redis.Redis, job: str, *, reason: str | None = None,
+                 gpu: int | None = None, dry_run: bool = False) -> RetryReport:
+    info = jobs.load(r, job)
+    if info is None:
+        raise KeyError(f"no job named {job!r}")
+    report = RetryReport(status=info.status)
+    selected: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for prompt_id, raw, record in read(r, job):
+        if matches(record, reason, gpu):
+            selected[record.get("reason", "unknown")].append((prompt_id, raw))
+    book = shared_ledger()
+    for why, items in sorted(selected.items()):
+        if dry_run:
+            report.by_reason[why] = len(items)
+            report.requeued += len(items)
+            continue
+        moved_here = 0
+        for start in range(0, len(items), CHUNK):
+            chunk = items[start:start + CHUNK]
+            moved, missing = book.requeue_failed(job, chunk)
+            moved_here += moved
+            report.missing += missing
+            report.skipped_changed += len(chunk) - moved - missing
+        if moved_here:
+            report.by_reason[why] = moved_here
+            report.requeued += moved_here
+    if report.requeued and not dry_run:
+        info = jobs.load(r, job)
+        report.status = info.status if info else report.status
+        if report.status == "done" and jobs.transition(r, job, "done", "running"):
+            report.status = "running"  # the lifecycle: a done job with work again runs
+        if report.status == "running":
+            for g in range(info.gpus):
+                report.dispatched += dispatch.topup(app, job, g)
+    return report
+
+
+__all__ = ["summary", "retry_failed", "RetryReport", "read", "matches", "record_class",
+           "CLASSES", "TRANSIENT_REASONS", "PERMANENT_REASONS"]

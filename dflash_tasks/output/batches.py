@@ -1,0 +1,288 @@
+"""Sealing finished rows into compressed JSONL batches and shipping them, crash-safe.
+
+Rows wait in the job's Redis stream. A batch is sealed in five steps. The first one records
+which stream entries the batch covers, so a crash after any step is finished by the next tick
+with the same entries and the same name: no row is lost, none lands in two batches, and
+uploading a batch twice only overwrites it with the same bytes.
+
+1. intent: write {name, first, last} to `sealing`;
+2. upload: put <job>/batches/<name>.jsonl.zst to storage (S3 or the output directory);
+3. record: enter it in the Redis manifest and count it (record_batch.lua, once per name);
+4. manifest: rewrite <job>/manifest.json in storage from the Redis manifest;
+5. delete: remove its entries from the stream (one XDEL), then clear the intent.
+
+Recovery reads the intent: before step 3 the batch is uploaded again; from step 3 on it is
+recorded, so the upload is skipped and steps 4 and 5 are redone (both idempotent).
+
+While storage fails (S3 unreachable) step 2 raises StorageError, the intent stays, rows keep
+arriving in the stream, and the next tick tries the same batch again.
+
+Test-only: DFLASH_CRASH_AT=<step> (after_intent, after_upload, after_record, after_manifest,
+after_delete) makes the process `os._exit` right after that step, as abruptly as SIGKILL, so
+the tests can stop a real beat at an exact point between two steps. Never set it in production.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import redis
+import zstandard
+
+from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.locks import HeldLock
+from dflash_tasks.core.settings import Settings, get_settings
+from dflash_tasks.ledger import Ledger
+from dflash_tasks.output.storage import Storage
+
+log = logging.getLogger(__name__)
+
+CRASH_STEPS = ("after_intent", "after_upload", "after_record", "after_manifest", "after_delete")
+LATENCY_BUCKETS_PER_DECADE = 20  # e2e latency histogram in counters: "lat:<b>", b = 20*log10(ms)
+
+
+def _crash_point(step: str) -> None:
+    if get_settings().crash_at == step:
+        log.critical("DFLASH_CRASH_AT=%s: exiting now (test-only crash injection)", step)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(70)
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    rows: int
+    bytes: int
+    max_age_s: float
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> "BatchPolicy":
+        return cls(rows=s.batch_rows, bytes=s.batch_bytes, max_age_s=s.batch_max_age_s)
+
+
+def batch_key(job: str, name: str) -> str:
+    return f"{job}/batches/{name}.jsonl.zst"
+
+
+def manifest_key(job: str) -> str:
+    return f"{job}/manifest.json"
+
+
+def progress_key(job: str) -> str:
+    return f"{job}/progress.json"
+
+
+def batch_name(first_entry_id: str) -> str:
+    ms, seq = first_entry_id.split("-")
+    return f"batch-{int(ms):013d}-{int(seq):04d}"
+
+
+# The only names batch_name produces (a stream id's milliseconds and sequence number).
+_BATCH_NAME = re.compile(r"batch-\d{13}-\d{4,}")
+
+
+class BadManifest(ValueError):
+    """A manifest entry that sealing could not have written; the message names it."""
+
+
+def check_records(job: str, records, where: str) -> list[dict]:
+    """The manifest's batch records, each checked to be one sealing writes: a name batch_name
+    produces and the key batch_key gives it. A manifest is data (from a bucket or a Redis that
+    others write to): a name like `../../x` would otherwise become a path outside where a
+    reader writes or reads. Raises BadManifest naming the first bad entry."""
+    if not isinstance(records, list):
+        raise BadManifest(f"{where}: 'batches' is not a list")
+    for i, rec in enumerate(records):
+        name = rec.get("name") if isinstance(rec, dict) else None
+        if not isinstance(name, str) or not _BATCH_NAME.fullmatch(name):
+            raise BadManifest(f"{where}: batch entry {i} has the name {name!r}, which sealing "
+                              "never writes (batch-<13 digits>-<4 digits>): refused")
+        if rec.get("key") != batch_key(job, name):
+            raise BadManifest(f"{where}: batch entry {i} ({name}) has the key "
+                              f"{rec.get('key')!r}, not {batch_key(job, name)!r}: refused")
+    return records
+
+
+def latency_bucket(latency_s: float) -> int:
+    ms = max(1.0, latency_s * 1000)
+    return int(math.floor(LATENCY_BUCKETS_PER_DECADE * math.log10(ms)))
+
+
+def latency_bucket_ms(bucket: int) -> float:
+    """The geometric middle of a latency bucket, in milliseconds."""
+    return 10 ** ((bucket + 0.5) / LATENCY_BUCKETS_PER_DECADE)
+
+
+class BatchWriter:
+    def __init__(self, r: redis.Redis, book: Ledger, storage: Storage, policy: BatchPolicy, *,
+                 lock_ttl_s: float = 60.0):
+        self.r, self.book, self.storage, self.policy = r, book, storage, policy
+        self.lock_ttl_s = lock_ttl_s
+
+    def flush(self, job: str, *, final: bool = False) -> list[str]:
+        """Seal every full batch (every batch at all when final); returns the names written.
+        Holds the job's flush lock, so two beats never seal at the same time. Raises
+        StorageError when storage fails; what was not shipped waits for the next call."""
+        k = JobKeys(job)
+        lock = HeldLock(self.r, k.flush_lock, self.lock_ttl_s)
+        if not lock.acquire():
+            return []
+        with lock:
+            written = []
+            intent = self.r.get(k.sealing)
+            if intent:  # a previous tick died or failed mid-batch: finish exactly that batch
+                written.append(self._seal(job, json.loads(intent), intent.decode(), lock))
+            while (intent := self._next_intent(job, final)) is not None:
+                lock.still_held()
+                raw = json.dumps(intent)
+                if not self.r.set(k.sealing, raw, nx=True):
+                    log.warning("job %s: another writer's intent appeared; stopping", job)
+                    break
+                _crash_point("after_intent")
+                written.append(self._seal(job, intent, raw, lock))
+            return written
+
+    def _next_intent(self, job: str, final: bool) -> dict | None:
+        entries = self.r.xrange(JobKeys(job).output, count=self.policy.rows)
+        if not entries:
+            return None
+        size, last = 0, None
+        for entry_id, fields in entries:
+            size += len(fields[b"row"]) + 1
+            last = entry_id
+            if size >= self.policy.bytes:
+                break
+        full = len(entries) >= self.policy.rows or size >= self.policy.bytes
+        first = entries[0][0].decode()
+        if not (full or final or self._age_s(first) >= self.policy.max_age_s):
+            return None
+        return {"name": batch_name(first), "first": first, "last": last.decode()}
+
+    def _age_s(self, entry_id: str) -> float:
+        seconds, micros = self.r.time()
+        return seconds + micros / 1e6 - int(entry_id.split("-")[0]) / 1000
+
+    def _seal(self, job: str, intent: dict, raw_intent: str, lock: HeldLock) -> str:
+        k = JobKeys(job)
+        name = intent["name"]
+        entries = self.r.xrange(k.output, min=intent["first"], max=intent["last"])
+        recorded = bool(self.r.hexists(k.manifest, name))
+        if entries and not recorded:
+            data, record, stats = self._build(job, name, [fields[b"row"] for _, fields in entries])
+            lock.still_held()
+            self.storage.put(record["key"], data)
+            _crash_point("after_upload")
+            lock.still_held()
+            self.book.record_batch(job, name, record, stats=stats)
+            _crash_point("after_record")
+            recorded = True
+            log.info("job %s: sealed %s (%d rows, %d bytes) at %s", job, name, record["rows"],
+                     record["bytes"], record["location"])
+        elif not entries and not recorded:
+            log.error("job %s: batch %s has no rows in the stream and no manifest entry; "
+                      "dropping the intent", job, name)
+        if recorded:  # also after a crash between record and manifest: the mirror catches up
+            lock.still_held()
+            self.write_manifest(job)
+            _crash_point("after_manifest")
+        if entries:  # one XDEL: the batch's rows leave the stream all together
+            lock.still_held()
+            self.r.xdel(k.output, *[entry_id for entry_id, _ in entries])
+            _crash_point("after_delete")
+        self.book.clear_sealing(job, raw_intent)
+        return name
+
+    def _build(self, job: str, name: str, rows: list[bytes]) -> tuple[bytes, dict, dict]:
+        """The batch file, its manifest record, and the counters it adds (once, on record)."""
+        data = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(b"\n".join(rows) + b"\n")
+        key = batch_key(job, name)
+        metas = [json.loads(row)["metadata"] for row in rows]
+        record = {
+            "name": name, "key": key, "location": self.storage.location(key),
+            "rows": len(rows), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "first_completed_at": min(m["completed_at"] for m in metas),
+            "last_completed_at": max(m["completed_at"] for m in metas),
+            "sealed_at": round(time.time(), 3)}
+        stats: dict[str, int] = {}
+        latency_ms = 0
+        for m in metas:
+            if m.get("latency_s") is not None:
+                b = f"lat:{latency_bucket(float(m['latency_s']))}"
+                stats[b] = stats.get(b, 0) + 1
+                stats["latency_n"] = stats.get("latency_n", 0) + 1
+                latency_ms += round(float(m["latency_s"]) * 1000)
+        stats["latency_ms_sum"] = latency_ms
+        if getattr(self.storage, "is_remote", False):
+            stats["s3_uploaded"] = 1
+            stats["s3_bytes"] = len(data)
+        return data, record, stats
+
+    def manifest(self, job: str) -> dict:
+        records = sorted((json.loads(v) for v in self.r.hvals(JobKeys(job).manifest)),
+                         key=lambda rec: rec["name"])
+        return {"job": job, "batches": records, "rows": sum(rec["rows"] for rec in records),
+                "bytes": sum(rec["bytes"] for rec in records)}
+
+    def write_manifest(self, job: str) -> None:
+        self.storage.put(manifest_key(job), json.dumps(self.manifest(job), indent=1).encode())
+
+
+class ChecksumMismatch(ValueError):
+    pass
+
+
+def verify_batch(data: bytes, record: dict, where: str) -> list[bytes]:
+    """A batch file's lines, after checking its sha256 against the manifest, its zstd frame
+    checksum, and its row count."""
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != record["sha256"]:
+        raise ChecksumMismatch(f"{where}: sha256 {digest} does not match the manifest's "
+                               f"{record['sha256']}")
+    try:
+        text = zstandard.ZstdDecompressor().decompress(data)
+    except zstandard.ZstdError as exc:
+        raise ChecksumMismatch(f"{where}: not a valid zstd file ({exc})") from None
+    lines = [line for line in text.split(b"\n") if line]
+    if len(lines) != record["rows"]:
+        raise ChecksumMismatch(f"{where}: {len(lines)} rows, the manifest says {record['rows']}")
+    return lines
+
+
+def read_batch(storage: Storage, record: dict) -> list[dict]:
+    """A sealed batch's rows, after checking its bytes against the manifest's sha256."""
+    lines = verify_batch(storage.get(record["key"]), record, storage.location(record["key"]))
+    return [json.loads(line) for line in lines]
+
+
+def read_manifest(storage: Storage, job: str) -> dict:
+    return json.loads(storage.get(manifest_key(job)))
+
+
+def iter_newest_rows(r: redis.Redis, storage: Storage, job: str) -> Iterator[dict]:
+    """Every id's newest row, newest first: the rows still in the stream, then the sealed
+    batches from the last back. A regenerated prompt has an older row in an earlier batch; it
+    is skipped. Memory: the set of ids seen, not the rows."""
+    seen: set[str] = set()
+    k = JobKeys(job)
+    last = "+"
+    while entries := r.xrevrange(k.output, max=last, count=1000):
+        for entry_id, fields in entries:
+            row = json.loads(fields[b"row"])
+            if row["id"] not in seen:
+                seen.add(row["id"])
+                yield row
+        last = "(" + entries[-1][0].decode()
+    records = sorted((json.loads(v) for v in r.hvals(k.manifest)), key=lambda rec: rec["name"],
+                     reverse=True)
+    for record in records:
+        for row in reversed(read_batch(storage, record)):
+            if row["id"] not in seen:
+                seen.add(row["id"])
+                yield row

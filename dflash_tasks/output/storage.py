@@ -1,0 +1,258 @@
+"""Where sealed batches, manifests and progress.json go: a local directory, or S3 when
+DFLASH_S3_URI is set. Keys are relative paths such as "<job>/batches/<name>.jsonl.zst".
+
+S3 credentials, region and endpoint come from boto3's own standard chain only (environment,
+profiles, instance roles; AWS_ENDPOINT_URL or AWS_ENDPOINT_URL_S3 for MinIO and other
+S3-compatible stores; AWS_MAX_ATTEMPTS and AWS_RETRY_MODE for retries): nothing here reads or
+logs a credential.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from dflash_tasks.core.settings import Settings, redact_url
+
+# The process's umask, read once (os.umask can only be read by setting it): files are created
+# with the permissions any other file of the process gets (0644 under the usual 022).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+class StorageError(RuntimeError):
+    """A storage operation failed; the message names the object's location, never a credential."""
+
+
+class StorageNotFound(StorageError, FileNotFoundError):
+    """The object does not exist."""
+
+
+class Storage(Protocol):
+    def put(self, key: str, data: bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+    def location(self, key: str) -> str: ...
+
+
+class LocalStorage:
+    """Files under a root directory, each written to a temporary file and renamed into place,
+    so a reader never sees half a file."""
+
+    is_remote = False
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def _path(self, key: str) -> Path:
+        """root/key, refused when it leads outside root (a key built from stored data). Checked
+        on the path's text, so a root holding symlinked directories keeps working."""
+        path = self.root / key
+        if os.path.isabs(key) or os.path.normpath(key).split(os.sep)[0] in ("..", ""):
+            raise StorageError(f"{path}: the key {key!r} leads outside {self.root}: refused")
+        return path
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep the data from its readers
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise StorageNotFound(f"{self.location(key)}: no such file") from None
+
+    def exists(self, key: str) -> bool:
+        return (self.root / key).exists()
+
+    def location(self, key: str) -> str:
+        return str(self.root / key)
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """("bucket", "prefix") from "s3://bucket/prefix" (the prefix may be empty)."""
+    parts = urlsplit(uri)
+    if parts.scheme != "s3" or not parts.netloc:
+        raise ValueError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
+    return parts.netloc, parts.path.strip("/")
+
+
+class S3Storage:
+    """Objects under s3://bucket/prefix/, through one boto3 client from the default chain.
+
+    put() sends a content checksum S3 checks before it accepts the object: below the multipart
+    threshold, the SHA-256 of the whole object (which S3 stores, so it equals the manifest's
+    sha256); above it, boto3's transfer manager uploads parts in parallel, each with its own
+    SHA-256 that S3 checks (S3 has no whole-object SHA-256 for multipart uploads). Every object
+    also carries its hex SHA-256 as the user metadata `sha256`.
+    """
+
+    is_remote = True
+
+    def __init__(self, uri: str, *, multipart_threshold: int = 8 * 1024 * 1024,
+                 multipart_chunksize: int = 8 * 1024 * 1024, max_concurrency: int = 4,
+                 connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0):
+        self.uri = uri
+        self.bucket, self.prefix = parse_s3_uri(uri)
+        self.multipart_threshold = multipart_threshold
+        self._chunksize = multipart_chunksize
+        self._max_concurrency = max_concurrency
+        self._timeouts = (connect_timeout_s, read_timeout_s)
+        self._client = None
+        self._client_lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, s: Settings, uri: str | None = None) -> "S3Storage":
+        uri = uri or s.s3_uri
+        if not uri:
+            raise ValueError("no S3 URI: set DFLASH_S3_URI=s3://bucket/prefix")
+        return cls(uri, multipart_threshold=s.s3_multipart_threshold_bytes,
+                   multipart_chunksize=s.s3_multipart_chunk_bytes,
+                   max_concurrency=s.s3_max_concurrency,
+                   connect_timeout_s=s.s3_connect_timeout_s, read_timeout_s=s.s3_read_timeout_s)
+
+    # -- the client ------------------------------------------------------------------------------
+
+    @property
+    def client(self):
+        """Created on first use, once per process (boto3 clients are thread-safe; sessions are
+        not, so each process makes its own)."""
+        with self._client_lock:
+            if self._client is None:
+                import boto3
+                from botocore.config import Config
+
+                connect, read = self._timeouts
+                # Retries are left to the chain (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE, the profile).
+                self._client = boto3.session.Session().client(
+                    "s3", config=Config(connect_timeout=connect, read_timeout=read,
+                                        max_pool_connections=max(10, self._max_concurrency * 2)))
+            return self._client
+
+    def _transfer_config(self):
+        from boto3.s3.transfer import TransferConfig
+
+        return TransferConfig(multipart_threshold=self.multipart_threshold,
+                              multipart_chunksize=self._chunksize,
+                              max_concurrency=self._max_concurrency, use_threads=True)
+
+    def key_for(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def location(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self.key_for(key)}"
+
+    def endpoint(self) -> str:
+        return redact_url(self.client.meta.endpoint_url)
+
+    # -- the protocol ----------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes) -> None:
+        digest = hashlib.sha256(data).digest()
+        extra = {"Metadata": {"sha256": digest.hex()}}
+        if len(data) < self.multipart_threshold:
+            extra["ChecksumSHA256"] = base64.b64encode(digest).decode()
+        else:
+            extra["ChecksumAlgorithm"] = "SHA256"
+        if key.endswith(".json"):
+            extra["ContentType"] = "application/json"
+        elif key.endswith(".zst"):
+            extra["ContentType"] = "application/zstd"
+        try:
+            self.client.upload_fileobj(io.BytesIO(data), self.bucket, self.key_for(key),
+                                       ExtraArgs=extra, Config=self._transfer_config())
+        except Exception as exc:  # botocore, boto3 and s3transfer errors alike
+            raise self._error("upload", key, exc) from None
+
+    def put_file(self, key: str, path: Path) -> None:
+        """A file of any size (a checkpoint's weights), streamed from disk by the transfer
+        manager in parallel parts, each checked by S3 against its SHA-256."""
+        try:
+            self.client.upload_file(str(path), self.bucket, self.key_for(key),
+                                    ExtraArgs={"ChecksumAlgorithm": "SHA256"},
+                                    Config=self._transfer_config())
+        except Exception as exc:
+            raise self._error("upload", key, exc) from None
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self.key_for(key))["Body"].read()
+        except Exception as exc:
+            raise self._error("download", key, exc) from None
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self.key_for(key))
+            return True
+        except Exception as exc:
+            err = self._error("head", key, exc)
+            if isinstance(err, StorageNotFound):
+                return False
+            raise err from None
+
+    def list(self, key_prefix: str) -> list[str]:
+        """Keys (relative, as put() takes them) under a relative prefix."""
+        full = self.key_for(key_prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        out: list[str] = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=full):
+                out.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
+        except Exception as exc:
+            raise self._error("list", key_prefix, exc) from None
+        return out
+
+    def _error(self, action: str, key: str, exc: Exception) -> StorageError:
+        code = ""
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+        reason = f"{type(exc).__name__}: {exc}"
+        where = self.location(key)
+        if code in ("404", "NoSuchKey", "NotFound"):
+            return StorageNotFound(f"S3 {action} {where}: no such object")
+        return StorageError(f"S3 {action} {where} failed: {redact_url(reason)}")
+
+
+def storage_for(settings: Settings) -> Storage:
+    """Where batches and the manifest go: S3 when DFLASH_S3_URI is set, else the output dir."""
+    if settings.s3_uri:
+        return _s3_for(settings.s3_uri, settings)
+    return LocalStorage(settings.output_dir)
+
+
+_s3_cache: dict[str, S3Storage] = {}
+_s3_cache_lock = threading.Lock()
+
+
+def _s3_for(uri: str, settings: Settings) -> S3Storage:
+    """One S3Storage (one client, one connection pool) per URI per process."""
+    with _s3_cache_lock:
+        if uri not in _s3_cache:
+            _s3_cache[uri] = S3Storage.from_settings(settings, uri)
+        return _s3_cache[uri]
+
+
+def storage_at(where: str, settings: Settings) -> Storage:
+    """An explicit location: an s3:// URI or a local directory."""
+    if where.startswith("s3://"):
+        return _s3_for(where, settings)
+    return LocalStorage(Path(where))

@@ -1,0 +1,9 @@
+"""The Celery application. Configuration lives in the repository's top-level celeryconfig.py."""
+from celery import Celery
+
+app = Celery("dflash_tasks")
+app.config_from_object("celeryconfig")
+
+from dflash_tasks.worker.hooks import RestoreOnConnect  # noqa: E402  (the app must exist first)
+
+app.steps["consumer"].add(RestoreOnConnect)

@@ -1,0 +1,159 @@
+"""Start-up of a GPU worker, however it was launched (`manage.py worker` or plain `celery -A
+dflash_tasks worker -Q gpu3`): wait until its SGLang server is healthy before taking work,
+register its concurrency (the dispatch window is sized from it), and fill its queue."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import time
+
+from celery import bootsteps, signals
+
+from dflash_tasks.core.settings import get_settings, redact_url
+
+log = logging.getLogger(__name__)
+_GPU_QUEUE = re.compile(r"^gpu(\d+)$")
+HEALTH_WARN_EVERY_S = 60.0
+
+
+def gpus_consumed(app) -> list[int]:
+    names = app.amqp.queues.consume_from or {}
+    return sorted(int(m.group(1)) for name in names if (m := _GPU_QUEUE.match(name)))
+
+
+@signals.celeryd_after_setup.connect
+def _wait_for_servers(sender, instance, conf, **_):
+    from dflash_tasks.sglang import SGLangClient
+
+    for gpu in gpus_consumed(instance.app):
+        url = get_settings().sglang_url_for(gpu)
+        client = SGLangClient(url)
+        started = time.monotonic()
+        next_warning = 0.0
+        while not client.healthy():
+            waited = time.monotonic() - started
+            if waited > get_settings().health_wait_s:
+                log.error("gpu%d: %s still not healthy after %.0fs; taking work anyway",
+                          gpu, redact_url(url), waited)
+                break
+            if waited >= next_warning:  # a server loads for minutes: a line a minute, not every poll
+                log.warning("gpu%d: waiting for SGLang at %s/health (%.0fs)", gpu, redact_url(url),
+                            waited)
+                next_warning = waited + HEALTH_WARN_EVERY_S
+            time.sleep(2.0)
+        client.close()
+        _register(gpu, instance.concurrency, sender, url)
+
+
+def _register(gpu: int, concurrency: int, hostname: str, url: str) -> None:
+    from dflash_tasks.core.connections import redis_client
+    from dflash_tasks.core.keys import WORKERS, queue_for
+
+    redis_client().hset(WORKERS, queue_for(gpu), json.dumps({
+        "concurrency": concurrency, "hostname": hostname, "host": socket.gethostname(),
+        "pid": os.getpid(), "url": redact_url(url), "started_at": time.time()}))
+    log.info("gpu%d: worker %s ready, concurrency %d, server %s", gpu, hostname, concurrency,
+             redact_url(url))
+    from dflash_tasks.worker import heartbeat, server_metrics
+
+    heartbeat.start(gpu)  # progress.json's per-GPU "alive"
+    server_metrics.start(gpu, url, get_settings().server_metrics_interval_s)
+
+
+@signals.worker_shutdown.connect
+def _stop_heartbeats(**_):
+    from dflash_tasks.worker import heartbeat
+
+    heartbeat.stop_all()
+
+
+@signals.worker_ready.connect
+def _fill_queues(sender, **_):
+    from dflash_tasks import dispatch
+    from dflash_tasks.core import jobs
+    from dflash_tasks.core.connections import redis_client
+
+    gpus = gpus_consumed(sender.app)
+    r = redis_client()
+    for name in jobs.names(r):
+        job = jobs.load(r, name)
+        if job and job.status == "running":
+            for gpu in gpus:
+                if gpu < job.gpus:
+                    dispatch.topup(sender.app, name, gpu)
+
+
+@signals.worker_shutting_down.connect
+def _begin_shutdown(sig=None, how=None, **_):
+    """Warm shutdown: tasks not yet sending hand their prompts back at once, requests in flight
+    get shutdown_grace_s, then are aborted and handed back (shutdown.py)."""
+    from dflash_tasks.worker import shutdown
+
+    shutdown.begin(get_settings().shutdown_grace_s if how == "Warm" else 0.0)
+
+
+@signals.celeryd_after_setup.connect
+def _check_failure_settings(sender, instance, conf, **_):
+    """Say at start-up when the visibility timeout is shorter than the longest a message can
+    legitimately stay unacknowledged (it is then delivered again while still being worked on:
+    harmless for the output, wasteful for the GPU)."""
+    if not gpus_consumed(instance.app):
+        return
+    s = get_settings()
+    if s.visibility_timeout_s < s.longest_unacked_s():
+        log.warning("DFLASH_VISIBILITY_TIMEOUT_S=%d is shorter than the longest a prompt's message "
+                    "can stay unacknowledged here (%.0fs: request timeout + retry wait + breaker "
+                    "wait): long tasks will be delivered twice (the ledger keeps one row)",
+                    s.visibility_timeout_s, s.longest_unacked_s())
+    for gpu in gpus_consumed(instance.app):
+        from dflash_tasks.worker.breaker import publish_closed
+
+        publish_closed(gpu, s.sglang_url_for(gpu))
+
+
+class RestoreOnConnect(bootsteps.StartStopStep):
+    """A consumer step, so it runs at every (re)connection of a GPU worker, before it consumes:
+    the unacknowledged messages of its queues that it does not hold go back in the queue
+    (dispatch.restore_unheld). At start-up those are what a killed predecessor held; after a
+    Redis restart, this worker's own retries waiting for their ETA, which Celery forgets with
+    the lost connection (Consumer.on_close) while their messages sit in `unacked`: without
+    this they would come back only after the visibility timeout (4 h)."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c):
+        from celery.worker.state import active_requests, reserved_requests
+
+        from dflash_tasks import dispatch
+        from dflash_tasks.core.keys import queue_for
+
+        queues = [queue_for(gpu) for gpu in gpus_consumed(c.app)]
+        if not queues:
+            return
+        held = {tag for request in (*tuple(active_requests), *tuple(reserved_requests))
+                if (tag := getattr(getattr(request, "message", None), "delivery_tag", None))}
+        try:
+            restored = dispatch.restore_unheld(c.app, queues, held)
+        except Exception:  # never stop a reconnect: the visibility timeout still restores them
+            log.exception("could not look for unacknowledged messages of %s", ", ".join(queues))
+            return
+        if restored:
+            log.warning("%s: %d unacknowledged message(s) no running task holds (retries waiting "
+                        "before a reconnect, or what a previous worker held) are back in the "
+                        "queue", ", ".join(queues), restored)
+
+
+@signals.worker_init.connect
+def _refuse_redis_without_persistence(sender=None, **_):
+    """However the worker was launched: a Redis that persists nothing loses every prompt's
+    state on a restart (connections.check_persistence)."""
+    from dflash_tasks.core.connections import PersistenceError, check_persistence, redis_client
+
+    try:
+        check_persistence(redis_client(), get_settings())
+    except PersistenceError as exc:
+        log.critical("%s", exc)
+        raise SystemExit(2) from None

@@ -1,0 +1,74 @@
+"""What each SGLang server says about its own load, so an operator sees a server whose decode
+slots are not full: every GPU worker samples its server's /metrics (running and queued requests,
+generation throughput, KV-cache usage) from a daemon thread into `dflash:servers`, and status and
+progress.json show it per GPU. A server started without --enable-metrics answers 404: the sample
+then says so instead of the figures."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import redis
+
+from dflash_tasks.core.keys import SERVERS, queue_for
+from dflash_tasks.sglang import SGLangClient, SGLangError
+
+log = logging.getLogger(__name__)
+FAMILIES = {  # Prometheus family -> our name (SGLang 0.5.23, see shared/sglang-samples/metrics.txt)
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "queued",
+    "sglang:gen_throughput": "gen_throughput",
+    "sglang:token_usage": "token_usage",
+    "sglang:cache_hit_rate": "cache_hit_rate",
+}
+_started: set[int] = set()
+_lock = threading.Lock()
+
+
+def parse(text: str) -> dict[str, float]:
+    """The families we read, summed over their label sets (one per TP/DP rank)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in FAMILIES:
+            key = FAMILIES[name]
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def sample(client: SGLangClient) -> dict:
+    try:
+        return {**parse(client.metrics_text()), "error": None}
+    except SGLangError as exc:
+        return {"error": str(exc)[:300]}
+
+
+def sample_once(r: redis.Redis, gpu: int, client: SGLangClient) -> dict:
+    seconds, micros = r.time()
+    record = {**sample(client), "at": round(seconds + micros / 1e6, 3)}
+    r.hset(SERVERS, queue_for(gpu), json.dumps(record))
+    return record
+
+
+def start(gpu: int, url: str, interval_s: float) -> None:
+    """Sample gpu's server every interval_s from a daemon thread (once per process)."""
+    from dflash_tasks.core.connections import redis_client
+
+    with _lock:
+        if gpu in _started:
+            return
+        _started.add(gpu)
+    client, r = SGLangClient(url), redis_client()
+
+    def run() -> None:
+        while True:
+            try:
+                sample_once(r, gpu, client)
+            except redis.exceptions.RedisError as exc:
+                log.warning("gpu%d: server metrics not written (%s)", gpu, exc)
+            threading.Event().wait(interval_s)
+
+    threading.Thread(target=run, name=f"server metrics gpu{gpu}", daemon=True).start()
