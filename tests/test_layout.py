@@ -1,0 +1,132 @@
+"""The layout's rules, checked: stages import only downwards (import-linter's contract in
+.importlinter), every Redis key string and Lua script stays with its owner, only the settings read
+DFLASH_* variables, and docs/ARCHITECTURE.md's key table names exactly the keys keys.py makes."""
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from support import ROOT
+
+from dflash_tasks.core import keys
+
+PACKAGES = ("dflash_tasks", "dflash_dev")
+KEYS_OWNER = "dflash_tasks/core/keys.py"
+SCRIPTS_OWNER = "dflash_tasks/ledger/__init__.py"
+SETTINGS_OWNER = "dflash_tasks/core/settings.py"
+
+
+def modules(*packages: str) -> list[tuple[str, ast.Module]]:
+    return [(str(p.relative_to(ROOT)), ast.parse(p.read_text()))
+            for package in packages for p in sorted((ROOT / package).rglob("*.py"))]
+
+
+def strings(tree: ast.AST):
+    """Every string constant but docstrings (prose may name a key or a script), f-strings'
+    literal parts included, with its line."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+
+
+def test_stages_import_only_downwards_and_never_the_dev_tools():
+    lint = Path(sys.executable).with_name("lint-imports")
+    done = subprocess.run([str(lint), "--config", str(ROOT / ".importlinter")], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "Contracts: 2 kept, 0 broken." in done.stdout, done.stdout[-2000:]
+
+
+def test_redis_key_strings_live_only_in_keys_py():
+    stray = [f"{path}:{line}: {value!r}" for path, tree in modules(*PACKAGES) if path != KEYS_OWNER
+             for line, value in strings(tree) if re.search(r"(^|[^\w])dflash:", value)]
+    assert not stray, "Redis key strings outside core/keys.py:\n" + "\n".join(stray)
+
+
+def test_lua_scripts_are_registered_and_read_only_by_the_ledger():
+    stray = []
+    for path, tree in modules(*PACKAGES):
+        if path == SCRIPTS_OWNER:
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("register_script", "eval", "evalsha", "script_load")
+                    and node.args):
+                stray.append(f"{path}:{node.lineno}: .{node.func.attr}(...)")
+        # A file name, or an f-string's ".lua" part (prose that names a script has spaces).
+        stray += [f"{path}:{line}: {value!r}" for line, value in strings(tree)
+                  if value.endswith(".lua") and not re.search(r"\s", value)]
+    lua = sorted(p.relative_to(ROOT) for p in ROOT.rglob("*.lua") if ".venv" not in p.parts)
+    assert all(p.parent == Path("dflash_tasks/ledger") for p in lua), lua
+    assert not stray, "Lua outside the ledger:\n" + "\n".join(stray)
+
+
+def test_only_the_settings_read_dflash_variables():
+    def is_environ(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    reads = []
+    for path, tree in modules("dflash_tasks"):
+        if path == SETTINGS_OWNER:
+            continue
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute) and (
+                    (node.func.attr == "get" and is_environ(node.func.value)) or node.func.attr == "getenv"):
+                name = node.args[0]
+            elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
+                name = node.slice
+            if isinstance(name, ast.Constant) and str(name.value).startswith("DFLASH_"):
+                reads.append(f"{path}:{node.lineno}: {name.value}")
+    assert not reads, "DFLASH_* read outside Settings:\n" + "\n".join(reads)
+
+
+# -- docs/ARCHITECTURE.md's key table --------------------------------------------------------------
+
+PLACEHOLDERS = {"job": "<job>", "run": "<run>", "gpu": "N", "part": "*"}
+NOT_KEYS = {"check_job_name", "queue_for"}  # a validator; Celery's queue names
+
+
+def _call(fn, drop_self: bool = False) -> str:
+    params = list(inspect.signature(fn).parameters)[1 if drop_self else 0:]
+    missing = [p for p in params if p not in PLACEHOLDERS]
+    assert not missing, f"{fn.__qualname__}: add a placeholder for {missing} to PLACEHOLDERS"
+    return fn(*[PLACEHOLDERS[p] for p in params])
+
+
+def keys_in_code() -> set[str]:
+    found = {v for v in vars(keys).values() if isinstance(v, str) and v.startswith("dflash:")}
+    for name, fn in inspect.getmembers(keys, inspect.isfunction):
+        if fn.__module__ == keys.__name__ and not name.startswith("_") and name not in NOT_KEYS:
+            value = _call(fn)
+            if value.startswith("dflash:"):
+                found.add(value)
+    job = keys.JobKeys("job")  # its keys read dflash:{job}:…, as the table writes them
+    for name, attr in vars(keys.JobKeys).items():
+        if name.startswith("_") or name == "every_key":  # every_key: a SCAN pattern, not a key
+            continue
+        if isinstance(attr, property):
+            found.add(getattr(job, name))
+        elif inspect.isfunction(attr):
+            found.add(_call(getattr(job, name)))
+    return found
+
+
+def keys_in_docs() -> set[str]:
+    table = [line for line in (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines()
+             if line.startswith("| `dflash:")]
+    return {key for line in table for key in re.findall(r"`([^`]+)`", line.split("|")[1])}
+
+
+def test_the_architecture_key_table_matches_keys_py():
+    code, docs = keys_in_code(), keys_in_docs()
+    assert code == docs, (f"only in keys.py: {sorted(code - docs)}; "
+                          f"only in docs/ARCHITECTURE.md: {sorted(docs - code)}")
