@@ -1,0 +1,96 @@
+"""The simulated server answers in the shapes of a real SGLang 0.5.23 server: every field of the
+responses captured from one (tests/sglang_samples/) is in the simulated server's answer to the
+same kind of request, with the same JSON type wherever both have a value. The client parses
+only some of these fields; a field the simulator drops would be found here before a parser
+starts to rely on it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from support import Proc, free_port, python, wait_until
+
+SAMPLES = Path(__file__).parent / "sglang_samples"
+CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
+        "separate_reasoning": True, "stream": False}
+
+
+def shape(value, path: str = "$") -> dict[str, str]:
+    """path -> JSON type of every field; a list's items are described by its first one."""
+    kind = type(value).__name__ if value is not None else "null"
+    out = {path: kind}
+    if isinstance(value, dict):
+        for key, item in value.items():
+            out.update(shape(item, f"{path}.{key}"))
+    elif isinstance(value, list) and value:
+        out.update(shape(value[0], f"{path}[]"))
+    return out
+
+
+def differences(sample: dict, answer: dict) -> list[str]:
+    """The sample's fields the answer lacks, or has with another type (null matches anything:
+    a captured null may be a value elsewhere, and the other way round)."""
+    expected, got = shape(sample), shape(answer)
+    found = []
+    for path, kind in expected.items():
+        if path not in got:
+            found.append(f"{path}: missing (the real server sends {kind})")
+        elif "null" not in (kind, got[path]) and {kind, got[path]} != {"int", "float"} \
+                and kind != got[path]:
+            found.append(f"{path}: {got[path]}, the real server sends {kind}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory):
+    port = free_port()
+    server = Proc(python("-m", "dflash_dev.sim", "--port", str(port), "--decode-tps", "100000"),
+                  tmp_path_factory.mktemp("samples") / "sim.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: httpx.get(url + "/health").status_code == 200, timeout=30,
+               what="the simulated server")
+    yield url
+    server.stop()
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    answer = httpx.post(url + path, json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+@pytest.mark.parametrize("sample, extra", [
+    ("chat.json", {}),
+    ("chat_8192.json", {"max_tokens": 8192}),
+    ("chat_nothink.json", {"chat_template_kwargs": {"enable_thinking": False}}),
+    ("chat_return_token_ids.json", {"return_token_ids": True}),  # what the client sends
+])
+def test_chat_completions_have_the_real_servers_fields(sim, sample, extra):
+    answer = post(sim, "/v1/chat/completions", {**CHAT, **extra})
+    assert not differences(json.loads((SAMPLES / sample).read_text()), answer)
+
+
+@pytest.mark.parametrize("sample", ["generate.json", "generate_continue_from_ids.json"])
+def test_native_generate_has_the_real_servers_fields(sim, sample):
+    answer = post(sim, "/generate", {"input_ids": [151644, 872, 198, 9707, 13],
+                                     "sampling_params": {"max_new_tokens": 8}, "stream": False})
+    assert not differences(json.loads((SAMPLES / sample).read_text()), answer)
+
+
+def test_a_context_overflow_is_the_real_servers_error(sim):
+    answer = httpx.post(sim + "/v1/chat/completions", json={**CHAT, "max_tokens": 100_000},
+                        timeout=30)
+    body, status = (SAMPLES / "err_maxtok.txt").read_text().strip().rsplit(" [", 1)  # "... [400]"
+    sample = json.loads(body)
+    assert int(status.rstrip("]")) == sample["code"] == 400
+    assert answer.status_code == 400, answer.text
+    assert not differences(sample, answer.json())
+
+
+def test_the_comparison_finds_a_missing_or_retyped_field():
+    sample = {"a": {"b": 1, "c": [{"d": "x"}]}, "e": None}
+    assert differences(sample, {"a": {"b": 2.5, "c": [{"d": "y", "z": 1}]}, "e": 3}) == []
+    assert differences(sample, {"a": {"c": [{"d": 1}]}, "e": None}) == [
+        "$.a.b: missing (the real server sends int)", "$.a.c[].d: int, the real server sends str"]
