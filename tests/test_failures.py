@@ -85,8 +85,8 @@ def test_a_good_answer_is_not_an_error():
 
 
 def test_breaker_opens_on_consecutive_failures_and_closes_after_healthy_probes():
-    from dflash_tasks.worker import shutdown
     from dflash_tasks.worker.breaker import CircuitBreaker
+    from dflash_tasks.worker.shutdown import Shutdown
 
     health = {"ok": False, "probes": 0}
 
@@ -94,7 +94,9 @@ def test_breaker_opens_on_consecutive_failures_and_closes_after_healthy_probes()
         health["probes"] += 1
         return health["ok"]
 
-    b = CircuitBreaker("test", probe, threshold=3, close_after=2, probe_base_s=0.01, probe_cap_s=0.05)
+    shutdown = Shutdown()
+    b = CircuitBreaker("test", probe, threshold=3, close_after=2, probe_base_s=0.01, probe_cap_s=0.05,
+                       shutdown=shutdown)
     b.record_failure("reset")
     b.record_failure("reset")
     b.record_success()                   # not consecutive: stays closed
@@ -122,12 +124,9 @@ def test_breaker_opens_on_consecutive_failures_and_closes_after_healthy_probes()
     waited = []
     t = threading.Thread(target=lambda: waited.append(b.wait_closed(60)))
     t.start()
-    try:
-        shutdown.begin(0)
-        t.join(5)
-        assert waited == [False]
-    finally:
-        shutdown.reset_for_tests()
+    shutdown.begin(0)
+    t.join(5)
+    assert waited == [False]
 
 
 def test_backoff_is_full_jitter_under_an_exponential_cap(monkeypatch):

@@ -20,10 +20,20 @@ from urllib.parse import urlsplit
 
 from dflash_tasks.core.settings import Settings, redact_url
 
-# The process's umask, read once (os.umask can only be read by setting it): files are created
-# with the permissions any other file of the process gets (0644 under the usual 022).
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
+
+def process_umask() -> int:
+    """The process's umask, so files are created with the permissions any other file of the
+    process gets (0644 under the usual 022). Linux says it in /proc; elsewhere os.umask can only
+    read it by setting it, and sets it back at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class StorageError(RuntimeError):
@@ -49,6 +59,7 @@ class LocalStorage:
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        self._mode = 0o666 & ~process_umask()
 
     def _path(self, key: str) -> Path:
         """root/key, refused when it leads outside root (a key built from stored data). Checked
@@ -63,7 +74,7 @@ class LocalStorage:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
-            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep the data from its readers
+            os.fchmod(fd, self._mode)  # mkstemp's 0600 would keep the data from its readers
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()

@@ -6,7 +6,6 @@ connections are reused; every failure surfaces as an `errors.SGLangError` subcla
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,9 +22,6 @@ from dflash_tasks.sglang.errors import (
     SGLangError,
     error_for_status,
 )
-
-# httpx logs every request at INFO: at 40 requests in flight per GPU that drowns the worker log.
-logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +42,7 @@ class Completion:
 
 @dataclass(frozen=True, slots=True)
 class Generation:
-    """A native /generate answer (see shared/sglang-samples/generate*.json)."""
+    """A native /generate answer (see tests/sglang_samples/generate*.json)."""
     text: str
     output_ids: list[int]
     finish_reason: str
@@ -222,7 +218,7 @@ def parse_generate(data: Any, *, latency_s: float, url: str = "") -> Generation:
 
 
 def parse_chat(data: Any, *, latency_s: float, url: str = "") -> Completion:
-    """A /v1/chat/completions body (see shared/sglang-samples/chat*.json) as a Completion."""
+    """A /v1/chat/completions body (see tests/sglang_samples/chat*.json) as a Completion."""
     if not isinstance(data, dict):
         raise BadResponse(f"expected a JSON object, got {type(data).__name__}", url=url)
     choices = data.get("choices")

@@ -4,6 +4,6 @@ from celery import Celery
 app = Celery("dflash_tasks")
 app.config_from_object("celeryconfig")
 
-from dflash_tasks.worker.hooks import RestoreOnConnect  # noqa: E402  (the app must exist first)
+from dflash_tasks.worker import hooks  # noqa: E402  (the app must exist first)
 
-app.steps["consumer"].add(RestoreOnConnect)
+hooks.connect(app)

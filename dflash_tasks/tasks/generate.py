@@ -8,7 +8,7 @@ What each failure does (docs/WHEN_THINGS_FAIL.md has the operator's side):
   with its last error (class "transient": `retry-failed` brings it back);
 - permanent (`sglang.PermanentError`: HTTP 400 such as a prompt longer than the context, 404,
   a 200 without choices): straight to the failed registry with the server's message;
-- the server stops answering: the worker's circuit breaker (breaker.py) opens, and tasks wait
+- the server stops answering: the worker's circuit breaker (worker/breaker.py) opens, and tasks wait
   *before* sending their request, so they spend no attempt; after `breaker_wait_s` a task puts
   its prompt back in the queue and frees its thread;
 - Redis goes away mid-task (a restart): ledger writes are retried for `redis_outage_s`; every
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 import uuid
 from typing import Callable, TypeVar
@@ -39,16 +38,12 @@ from dflash_tasks.core.settings import get_settings
 from dflash_tasks.dispatch import GENERATE, job_gpus, topup
 from dflash_tasks.ledger import shared_ledger
 from dflash_tasks.output.rows import build_row
-from dflash_tasks.sglang import PermanentError, SGLangClient, SGLangError, TransientError
+from dflash_tasks.sglang import PermanentError, SGLangError, TransientError
 from dflash_tasks.sglang.continuation import continue_generation
 from dflash_tasks.tasks.app import app
-from dflash_tasks.worker import breaker as breakers
-from dflash_tasks.worker import hooks as worker_hooks  # noqa: F401  (registers the worker's start-up signals)
-from dflash_tasks.worker import shutdown
+from dflash_tasks.worker.runtime import runtime
 
 log = logging.getLogger(__name__)
-_clients: dict[str, SGLangClient] = {}
-_clients_lock = threading.Lock()
 T = TypeVar("T")
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError is a ConnectionError
 
@@ -56,23 +51,6 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError is 
 class PromptFailed(Exception):
     """Raised after a prompt was entered in the failed registry, so Flower lists the task as
     FAILURE with the reason; declared in `throws`, so Celery logs it without a traceback."""
-
-
-def client_for(gpu: int) -> SGLangClient:
-    """The worker process's one client for its GPU's server, shared by all its threads."""
-    s = get_settings()
-    url = s.sglang_url_for(gpu)
-    with _clients_lock:
-        if url not in _clients:
-            _clients[url] = SGLangClient(url, connect_timeout_s=s.connect_timeout_s,
-                                         request_timeout_s=s.request_timeout_s,
-                                         keepalive_expiry_s=s.keepalive_expiry_s)
-        return _clients[url]
-
-
-def breaker_for(gpu: int) -> breakers.CircuitBreaker:
-    client = client_for(gpu)
-    return breakers.breaker_for(gpu, client.base_url, client.healthy)
 
 
 def backoff_s(retries: int) -> float:
@@ -116,6 +94,7 @@ def generate(self, job: str, prompt_id: str, gpu: int, tries: int = 0) -> dict:
 
 def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
     book = shared_ledger()
+    shutdown = runtime().shutdown
     if shutdown.requested():
         raise Reject("worker shutting down: prompt returned to its queue", requeue=True)
     state = durable("reading the prompt", book.task_state, job, prompt_id, gpu)
@@ -134,8 +113,8 @@ def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
         return {"id": prompt_id, "skipped": f"no longer dispatched to gpu{gpu}"}
     params = GenerationParams.from_dict(state.params)
     s = get_settings()
-    client = client_for(gpu)
-    circuit = breaker_for(gpu)
+    client = runtime().client(gpu)
+    circuit = runtime().breaker(gpu)
     if not circuit.wait_closed(s.breaker_wait_s):
         # Nothing was sent: the prompt goes back to the queue with its attempts unspent, and
         # this thread is free (the visibility timeout never runs out on a waiting message).
@@ -188,7 +167,7 @@ def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
 
 
 def _refill(job: str, gpu: int) -> None:
-    if shutdown.requested():
+    if runtime().shutdown.requested():
         return  # the next worker (or beat's maintain) refills; this one takes nothing new
     try:
         topup(app, job, gpu)

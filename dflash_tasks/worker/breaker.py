@@ -1,4 +1,4 @@
-"""A circuit breaker per worker process and SGLang server.
+"""A circuit breaker per worker process and SGLang server (the worker runtime holds them).
 
     closed ──(threshold consecutive transient failures)──▶ open
     open: no request is sent; one thread probes /health with exponential backoff
@@ -27,7 +27,11 @@ import threading
 import time
 from typing import Callable
 
-from dflash_tasks.worker import shutdown
+import redis
+
+from dflash_tasks.core.keys import BREAKERS, queue_for
+from dflash_tasks.core.settings import redact_url
+from dflash_tasks.worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +42,9 @@ class CircuitBreaker:
     def __init__(self, name: str, probe: Callable[[], bool], *, threshold: int = 10,
                  close_after: int = 3, probe_base_s: float = 1.0, probe_cap_s: float = 30.0,
                  on_change: Callable[["CircuitBreaker"], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 shutdown: Shutdown | None = None, clock: Callable[[], float] = time.monotonic):
         self.name = name
+        self._shutdown = shutdown or Shutdown()  # the process's: waiters and probes stop at it
         self._probe = probe
         self.threshold = max(1, threshold)
         self.close_after = max(1, close_after)
@@ -71,12 +76,12 @@ class CircuitBreaker:
             return True
         deadline = self._clock() + timeout
         with self._cond:
-            while self.state != CLOSED and not shutdown.requested():
+            while self.state != CLOSED and not self._shutdown.requested():
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     return False
                 self._cond.wait(min(remaining, 1.0))
-            return self.state == CLOSED and not shutdown.requested()
+            return self.state == CLOSED and not self._shutdown.requested()
 
     def record_success(self) -> None:
         if self.consecutive_failures:
@@ -127,8 +132,8 @@ class CircuitBreaker:
     def _probe_loop(self) -> None:
         delay = self.probe_base_s
         healthy = 0
-        while not shutdown.requested():
-            if shutdown.wait(delay):
+        while not self._shutdown.requested():
+            if self._shutdown.wait(delay):
                 return
             self.probes += 1
             try:
@@ -159,40 +164,19 @@ class CircuitBreaker:
                 "times_opened": self.times_opened, "probes": self.probes}
 
 
-# -- one breaker per worker process and server ------------------------------------------------
+# -- its state in Redis, for `manage.py failed` ----------------------------------------------
 
-_breakers: dict[str, CircuitBreaker] = {}
-_lock = threading.Lock()
-
-
-def breaker_for(gpu: int, url: str, probe: Callable[[], bool]) -> CircuitBreaker:
-    from dflash_tasks.core.settings import get_settings, redact_url
-
-    with _lock:
-        if url not in _breakers:
-            s = get_settings()
-            _breakers[url] = CircuitBreaker(
-                f"gpu{gpu} {redact_url(url)}", probe, threshold=s.breaker_threshold,
-                close_after=s.breaker_close_after, probe_base_s=s.breaker_probe_base_s,
-                probe_cap_s=s.breaker_probe_cap_s, on_change=_publisher(gpu, url))
-        return _breakers[url]
-
-
-def _publisher(gpu: int, url: str) -> Callable[[CircuitBreaker], None]:
+def publisher(r: redis.Redis, gpu: int, url: str) -> Callable[[CircuitBreaker], None]:
     def publish(b: CircuitBreaker) -> None:
-        from dflash_tasks.core.connections import redis_client
-        from dflash_tasks.core.keys import BREAKERS, queue_for
-        from dflash_tasks.core.settings import redact_url
-
-        redis_client().hset(BREAKERS, queue_for(gpu), json.dumps({
+        r.hset(BREAKERS, queue_for(gpu), json.dumps({
             **b.snapshot(), "url": redact_url(url), "host": socket.gethostname(),
             "pid": os.getpid(), "at": time.time()}))
     return publish
 
 
-def publish_closed(gpu: int, url: str) -> None:
+def publish_closed(r: redis.Redis, gpu: int, url: str) -> None:
     """A worker starting on a healthy server clears what a dead predecessor left behind."""
     try:
-        _publisher(gpu, url)(CircuitBreaker(f"gpu{gpu}", lambda: True))
+        publisher(r, gpu, url)(CircuitBreaker(f"gpu{gpu}", lambda: True))
     except Exception:
         log.debug("could not publish the breaker state of gpu%d", gpu, exc_info=True)

@@ -12,8 +12,6 @@ import redis
 from dflash_tasks.core.keys import WORKERS_SEEN, queue_for
 
 log = logging.getLogger(__name__)
-_started: dict[int, threading.Event] = {}
-_lock = threading.Lock()
 
 
 def beat_once(r: redis.Redis, gpu: int) -> None:
@@ -21,44 +19,21 @@ def beat_once(r: redis.Redis, gpu: int) -> None:
     r.hset(WORKERS_SEEN, queue_for(gpu), f"{seconds + micros / 1e6:.3f}")
 
 
-def start(gpu: int, interval_s: float | None = None) -> None:
-    """Stamp gpu's heartbeat now and every interval_s from a daemon thread (once per process)."""
-    from dflash_tasks.core.connections import redis_client
-    from dflash_tasks.core.settings import get_settings
-
-    interval = interval_s or get_settings().worker_heartbeat_s
-    with _lock:
-        if gpu in _started:
+def run(r: redis.Redis, gpu: int, interval_s: float, stop: threading.Event) -> None:
+    """Stamp gpu's heartbeat now and every interval_s until `stop` (the worker runtime's thread)."""
+    while True:
+        try:
+            beat_once(r, gpu)
+        except redis.exceptions.RedisError as exc:
+            log.warning("gpu%d: heartbeat not written (%s)", gpu, exc)
+        if stop.wait(interval_s):
             return
-        stop = _started[gpu] = threading.Event()
-    r = redis_client()
-
-    def run() -> None:
-        while True:
-            try:
-                beat_once(r, gpu)
-            except redis.exceptions.RedisError as exc:
-                log.warning("gpu%d: heartbeat not written (%s)", gpu, exc)
-            if stop.wait(interval):
-                return
-
-    threading.Thread(target=run, name=f"heartbeat gpu{gpu}", daemon=True).start()
 
 
-def stop_all() -> None:
-    """A clean shutdown: stop stamping and remove the stamps, so the GPU reads as not alive."""
-    from dflash_tasks.core.connections import redis_client
-
-    with _lock:
-        gpus = list(_started)
-        for gpu in gpus:
-            _started.pop(gpu).set()
+def clear(r: redis.Redis, gpus: list[int]) -> None:
+    """A clean shutdown removes the stamps, so the GPUs read as not alive at once."""
     if gpus:
         try:
-            redis_client().hdel(WORKERS_SEEN, *[queue_for(g) for g in gpus])
+            r.hdel(WORKERS_SEEN, *[queue_for(g) for g in gpus])
         except redis.exceptions.RedisError:
             pass
-
-
-def seen(r: redis.Redis) -> dict[str, float]:
-    return {k.decode(): float(v) for k, v in r.hgetall(WORKERS_SEEN).items()}

@@ -1,6 +1,9 @@
-"""Start-up of a GPU worker, however it was launched (`manage.py worker` or plain `celery -A
-dflash_tasks worker -Q gpu3`): wait until its SGLang server is healthy before taking work,
-register its concurrency (the dispatch window is sized from it), and fill its queue."""
+"""A worker's life as Celery signals it, however it was launched (`manage.py worker` or plain
+`celery -A dflash_tasks worker -Q gpu3`), connected explicitly by `connect`: refuse a Redis that
+persists nothing, wait until its SGLang server is healthy before taking work, register its
+concurrency (the dispatch window is sized from it), start its reports, fill its queue; on a
+reconnect, put back what no task holds; on a stop, hand its prompts back (the runtime's
+shutdown) and remove its heartbeat."""
 from __future__ import annotations
 
 import json
@@ -13,6 +16,8 @@ import time
 from celery import bootsteps, signals
 
 from dflash_tasks.core.settings import get_settings, redact_url
+from dflash_tasks.worker.breaker import publish_closed
+from dflash_tasks.worker.runtime import runtime
 
 log = logging.getLogger(__name__)
 _GPU_QUEUE = re.compile(r"^gpu(\d+)$")
@@ -24,7 +29,6 @@ def gpus_consumed(app) -> list[int]:
     return sorted(int(m.group(1)) for name in names if (m := _GPU_QUEUE.match(name)))
 
 
-@signals.celeryd_after_setup.connect
 def _wait_for_servers(sender, instance, conf, **_):
     from dflash_tasks.sglang import SGLangClient
 
@@ -57,20 +61,13 @@ def _register(gpu: int, concurrency: int, hostname: str, url: str) -> None:
         "pid": os.getpid(), "url": redact_url(url), "started_at": time.time()}))
     log.info("gpu%d: worker %s ready, concurrency %d, server %s", gpu, hostname, concurrency,
              redact_url(url))
-    from dflash_tasks.worker import heartbeat, server_metrics
-
-    heartbeat.start(gpu)  # progress.json's per-GPU "alive"
-    server_metrics.start(gpu, url, get_settings().server_metrics_interval_s)
+    runtime().start_reporting(gpu)  # progress.json's per-GPU "alive" and server load
 
 
-@signals.worker_shutdown.connect
-def _stop_heartbeats(**_):
-    from dflash_tasks.worker import heartbeat
-
-    heartbeat.stop_all()
+def _stop_reporting(**_):
+    runtime().stop_reporting()
 
 
-@signals.worker_ready.connect
 def _fill_queues(sender, **_):
     from dflash_tasks import dispatch
     from dflash_tasks.core import jobs
@@ -86,16 +83,12 @@ def _fill_queues(sender, **_):
                     dispatch.topup(sender.app, name, gpu)
 
 
-@signals.worker_shutting_down.connect
 def _begin_shutdown(sig=None, how=None, **_):
     """Warm shutdown: tasks not yet sending hand their prompts back at once, requests in flight
     get shutdown_grace_s, then are aborted and handed back (shutdown.py)."""
-    from dflash_tasks.worker import shutdown
-
-    shutdown.begin(get_settings().shutdown_grace_s if how == "Warm" else 0.0)
+    runtime().shutdown.begin(get_settings().shutdown_grace_s if how == "Warm" else 0.0)
 
 
-@signals.celeryd_after_setup.connect
 def _check_failure_settings(sender, instance, conf, **_):
     """Say at start-up when the visibility timeout is shorter than the longest a message can
     legitimately stay unacknowledged (it is then delivered again while still being worked on:
@@ -109,9 +102,7 @@ def _check_failure_settings(sender, instance, conf, **_):
                     "wait): long tasks will be delivered twice (the ledger keeps one row)",
                     s.visibility_timeout_s, s.longest_unacked_s())
     for gpu in gpus_consumed(instance.app):
-        from dflash_tasks.worker.breaker import publish_closed
-
-        publish_closed(gpu, s.sglang_url_for(gpu))
+        publish_closed(runtime().r, gpu, s.sglang_url_for(gpu))
 
 
 class RestoreOnConnect(bootsteps.StartStopStep):
@@ -146,7 +137,12 @@ class RestoreOnConnect(bootsteps.StartStopStep):
                         "queue", ", ".join(queues), restored)
 
 
-@signals.worker_init.connect
+def _quiet_httpx(**_):
+    """httpx logs every request at INFO: at 40 requests in flight per GPU that would drown the
+    worker's log."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def _refuse_redis_without_persistence(sender=None, **_):
     """However the worker was launched: a Redis that persists nothing loses every prompt's
     state on a restart (connections.check_persistence)."""
@@ -157,3 +153,18 @@ def _refuse_redis_without_persistence(sender=None, **_):
     except PersistenceError as exc:
         log.critical("%s", exc)
         raise SystemExit(2) from None
+
+
+def connect(app) -> None:
+    """Wire a worker's life to its runtime, for `app` (tasks/app.py calls it once). The
+    receivers are module functions, held strongly; dispatch_uid makes a second call harmless."""
+    for signal, receiver in ((signals.worker_init, _quiet_httpx),
+                             (signals.worker_init, _refuse_redis_without_persistence),
+                             (signals.celeryd_after_setup, _wait_for_servers),
+                             (signals.celeryd_after_setup, _check_failure_settings),
+                             (signals.worker_ready, _fill_queues),
+                             (signals.worker_shutting_down, _begin_shutdown),
+                             (signals.worker_shutdown, _stop_reporting)):
+        signal.connect(receiver, weak=False, dispatch_uid=f"dflash_tasks.{receiver.__name__}")
+    if RestoreOnConnect not in app.steps["consumer"]:
+        app.steps["consumer"].add(RestoreOnConnect)

@@ -15,15 +15,13 @@ from dflash_tasks.core.keys import SERVERS, queue_for
 from dflash_tasks.sglang import SGLangClient, SGLangError
 
 log = logging.getLogger(__name__)
-FAMILIES = {  # Prometheus family -> our name (SGLang 0.5.23, see shared/sglang-samples/metrics.txt)
+FAMILIES = {  # Prometheus family -> our name (SGLang 0.5.23, see tests/sglang_samples/metrics.txt)
     "sglang:num_running_reqs": "running",
     "sglang:num_queue_reqs": "queued",
     "sglang:gen_throughput": "gen_throughput",
     "sglang:token_usage": "token_usage",
     "sglang:cache_hit_rate": "cache_hit_rate",
 }
-_started: set[int] = set()
-_lock = threading.Lock()
 
 
 def parse(text: str) -> dict[str, float]:
@@ -53,22 +51,13 @@ def sample_once(r: redis.Redis, gpu: int, client: SGLangClient) -> dict:
     return record
 
 
-def start(gpu: int, url: str, interval_s: float) -> None:
-    """Sample gpu's server every interval_s from a daemon thread (once per process)."""
-    from dflash_tasks.core.connections import redis_client
-
-    with _lock:
-        if gpu in _started:
+def run(r: redis.Redis, gpu: int, client: SGLangClient, interval_s: float,
+        stop: threading.Event) -> None:
+    """Sample gpu's server every interval_s until `stop` (the worker runtime's thread)."""
+    while True:
+        try:
+            sample_once(r, gpu, client)
+        except redis.exceptions.RedisError as exc:
+            log.warning("gpu%d: server metrics not written (%s)", gpu, exc)
+        if stop.wait(interval_s):
             return
-        _started.add(gpu)
-    client, r = SGLangClient(url), redis_client()
-
-    def run() -> None:
-        while True:
-            try:
-                sample_once(r, gpu, client)
-            except redis.exceptions.RedisError as exc:
-                log.warning("gpu%d: server metrics not written (%s)", gpu, exc)
-            threading.Event().wait(interval_s)
-
-    threading.Thread(target=run, name=f"server metrics gpu{gpu}", daemon=True).start()

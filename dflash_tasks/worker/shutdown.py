@@ -14,6 +14,7 @@ loses nothing either (unacknowledged messages come back after the visibility tim
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from contextlib import contextmanager
@@ -21,65 +22,56 @@ from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
-_event = threading.Event()
-_lock = threading.Lock()
-_in_flight: dict[int, tuple[str, Callable[[], None]]] = {}
-_next = 0
+class Shutdown:
+    """The process's shutdown state: whether one was requested, and the requests in flight that
+    it aborts once their grace period is over. The worker runtime holds the process's one."""
 
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._in_flight: dict[int, tuple[str, Callable[[], None]]] = {}
+        self._tokens = itertools.count(1)
 
-def requested() -> bool:
-    return _event.is_set()
+    def requested(self) -> bool:
+        return self._event.is_set()
 
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to `timeout` seconds; True as soon as a shutdown is requested."""
+        return self._event.wait(timeout)
 
-def wait(timeout: float) -> bool:
-    """Sleep up to `timeout` seconds; True as soon as a shutdown is requested."""
-    return _event.wait(timeout)
-
-
-@contextmanager
-def tracked(rid: str, abort: Callable[[], None]) -> Iterator[None]:
-    """Register a request in flight, so a shutdown past its grace period can abort it."""
-    global _next
-    with _lock:
-        _next += 1
-        token = _next
-        _in_flight[token] = (rid, abort)
-    try:
-        yield
-    finally:
-        with _lock:
-            _in_flight.pop(token, None)
-
-
-def begin(grace_s: float) -> None:
-    """Called once from the worker's shutdown signal (in the main thread: only cheap work here)."""
-    if _event.is_set():
-        return
-    _event.set()
-    threading.Thread(target=_abort_after, args=(grace_s,), name="dflash-shutdown",
-                     daemon=True).start()
-
-
-def _abort_after(grace_s: float) -> None:
-    with _lock:
-        count = len(_in_flight)
-    if count:
-        log.warning("warm shutdown: %d request(s) in flight get %.0fs to finish, then are aborted "
-                    "and their prompts go back to the queue", count, grace_s)
-    deadline = threading.Event()
-    deadline.wait(grace_s)
-    with _lock:
-        pending = list(_in_flight.values())
-    if pending:
-        log.warning("warm shutdown: aborting %d request(s) still in flight", len(pending))
-    for rid, abort in pending:
+    @contextmanager
+    def tracked(self, rid: str, abort: Callable[[], None]) -> Iterator[None]:
+        """Register a request in flight, so a shutdown past its grace period can abort it."""
+        token = next(self._tokens)
+        with self._lock:
+            self._in_flight[token] = (rid, abort)
         try:
-            abort()
-        except Exception:  # best effort: the request's own timeout still bounds it
-            log.exception("could not abort %s", rid)
+            yield
+        finally:
+            with self._lock:
+                self._in_flight.pop(token, None)
 
+    def begin(self, grace_s: float) -> None:
+        """Called once from the worker's shutdown signal (in the main thread: only cheap work)."""
+        if self._event.is_set():
+            return
+        self._event.set()
+        threading.Thread(target=self._abort_after, args=(grace_s,), name="dflash-shutdown",
+                         daemon=True).start()
 
-def reset_for_tests() -> None:
-    _event.clear()
-    with _lock:
-        _in_flight.clear()
+    def _abort_after(self, grace_s: float) -> None:
+        with self._lock:
+            count = len(self._in_flight)
+        if count:
+            log.warning("warm shutdown: %d request(s) in flight get %.0fs to finish, then are "
+                        "aborted and their prompts go back to the queue", count, grace_s)
+        threading.Event().wait(grace_s)
+        with self._lock:
+            pending = list(self._in_flight.values())
+        if pending:
+            log.warning("warm shutdown: aborting %d request(s) still in flight", len(pending))
+        for rid, abort in pending:
+            try:
+                abort()
+            except Exception:  # best effort: the request's own timeout still bounds it
+                log.exception("could not abort %s", rid)

@@ -35,7 +35,7 @@ from dflash_tasks.training.data.reader import NoManifest, job_storage
 from dflash_tasks.training.queue import checkpoints, runs, spec
 from dflash_tasks.training.queue.command import LogTail, run_command
 from dflash_tasks.training.reference.config import TrainConfig
-from dflash_tasks.worker import shutdown
+from dflash_tasks.worker.runtime import runtime
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY_S = 2.0
@@ -77,7 +77,8 @@ class RunSession:
     # -- the run ---------------------------------------------------------------------------------
 
     def execute(self) -> dict:
-        if shutdown.requested():  # received while this worker stops: leave it to the next one
+        # received while this worker stops: leave it to the next one
+        if runtime().shutdown.requested():
             runs.mark_unsent(self.r, self.name)
             return {"run": self.name, "status": runs.QUEUED, "started": False}
         if not runs.transition(self.r, self.name, (runs.QUEUED,), runs.RUNNING,
@@ -353,7 +354,7 @@ class RunSession:
         when another task owns the run now, else None; with raise_, raises Stopped instead of returning a reason."""
         if self._stop_reason is None:
             now = time.monotonic()
-            if shutdown.requested():
+            if runtime().shutdown.requested():
                 self._stop_reason = "shutdown"
             elif now - self._stop_checked >= STOP_CHECK_EVERY_S:
                 self._stop_checked = now

@@ -1,0 +1,83 @@
+"""What a worker process holds across its tasks, in one object: one SGLang client and one circuit
+breaker per server (shared by all its threads), the heartbeat and /metrics sampler threads of its
+GPUs, and its shutdown state. Celery's signals reach it through hooks.py; tasks through
+`runtime()`. Nothing else in the worker keeps state between tasks."""
+from __future__ import annotations
+
+import threading
+from functools import lru_cache
+
+import redis
+
+from dflash_tasks.core.connections import redis_client
+from dflash_tasks.core.settings import Settings, get_settings, redact_url
+from dflash_tasks.sglang import SGLangClient
+from dflash_tasks.worker import heartbeat, server_metrics
+from dflash_tasks.worker.breaker import CircuitBreaker, publisher
+from dflash_tasks.worker.shutdown import Shutdown
+
+
+class WorkerRuntime:
+    def __init__(self, settings: Settings, r: redis.Redis):
+        self.settings = settings
+        self.r = r
+        self.shutdown = Shutdown()
+        self._lock = threading.Lock()
+        self._clients: dict[str, SGLangClient] = {}
+        self._breakers: dict[str, CircuitBreaker] = {}
+        self._reporting: dict[int, threading.Event] = {}  # gpu -> stops its reporting threads
+
+    def client(self, gpu: int) -> SGLangClient:
+        """The process's one client for gpu's server."""
+        s = self.settings
+        url = s.sglang_url_for(gpu)
+        with self._lock:
+            if url not in self._clients:
+                self._clients[url] = SGLangClient(
+                    url, connect_timeout_s=s.connect_timeout_s,
+                    request_timeout_s=s.request_timeout_s, keepalive_expiry_s=s.keepalive_expiry_s)
+            return self._clients[url]
+
+    def breaker(self, gpu: int) -> CircuitBreaker:
+        """The process's one breaker in front of gpu's server, its state published in Redis."""
+        client = self.client(gpu)
+        url, s = client.base_url, self.settings
+        with self._lock:
+            if url not in self._breakers:
+                self._breakers[url] = CircuitBreaker(
+                    f"gpu{gpu} {redact_url(url)}", client.healthy, threshold=s.breaker_threshold,
+                    close_after=s.breaker_close_after, probe_base_s=s.breaker_probe_base_s,
+                    probe_cap_s=s.breaker_probe_cap_s, on_change=publisher(self.r, gpu, url),
+                    shutdown=self.shutdown)
+            return self._breakers[url]
+
+    def start_reporting(self, gpu: int) -> None:
+        """gpu's heartbeat (progress.json's "alive") and its server's /metrics samples, each from
+        a daemon thread; once per GPU."""
+        with self._lock:
+            if gpu in self._reporting:
+                return
+            stop = self._reporting[gpu] = threading.Event()
+        s = self.settings
+        threading.Thread(target=heartbeat.run, args=(self.r, gpu, s.worker_heartbeat_s, stop),
+                         name=f"heartbeat gpu{gpu}", daemon=True).start()
+        threading.Thread(target=server_metrics.run,
+                         args=(self.r, gpu, SGLangClient(s.sglang_url_for(gpu)),
+                               s.server_metrics_interval_s, stop),
+                         name=f"server metrics gpu{gpu}", daemon=True).start()
+
+    def stop_reporting(self) -> None:
+        """A clean stop: the threads end and the heartbeats are removed (the GPUs read as not
+        alive at once)."""
+        with self._lock:
+            stopped = list(self._reporting.items())
+            self._reporting.clear()
+        for _, stop in stopped:
+            stop.set()
+        heartbeat.clear(self.r, [gpu for gpu, _ in stopped])
+
+
+@lru_cache(maxsize=1)
+def runtime() -> WorkerRuntime:
+    """The process's worker runtime, made at first use."""
+    return WorkerRuntime(get_settings(), redis_client())
