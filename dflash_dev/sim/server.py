@@ -100,7 +100,7 @@ def _json(body: Any, status: int = 200) -> web.Response:
                         content_type="application/json")
 
 
-class Job:
+class Generation:
     """One generation request in the model of the GPU."""
 
     __slots__ = ("rid", "plan", "start", "budget", "completion", "finish", "cached", "arrived",
@@ -152,9 +152,9 @@ class SimServer:
         self.port = config.port
         self.max_total_num_tokens = max(config.context_length, config.slots * 8192)
         # the decode slots
-        self.running: set[Job] = set()
-        self.waiting: deque[Job] = deque()
-        self.active: set[Job] = set()
+        self.running: set[Generation] = set()
+        self.waiting: deque[Generation] = deque()
+        self.active: set[Generation] = set()
         self._slots_taken = 0
         # the prefix cache: prompt key -> longest sequence (prompt + response) computed for it
         self._seen: OrderedDict[bytes, int] = OrderedDict()
@@ -248,71 +248,71 @@ class SimServer:
         self.down_until = 0.0
 
     def _kill_all(self) -> None:
-        for job in list(self.active):
-            self._stop_job(job, "killed")
+        for gen in list(self.active):
+            self._stop_generation(gen, "killed")
 
     @staticmethod
-    def _stop_job(job: Job, why: str) -> None:
-        if job.cancel is None:
-            job.cancel = why
-        _resolve(job.waiter, why)
-        _resolve(job.done, why)
+    def _stop_generation(gen: Generation, why: str) -> None:
+        if gen.cancel is None:
+            gen.cancel = why
+        _resolve(gen.waiter, why)
+        _resolve(gen.done, why)
 
     # ------------------------------------------------------------------ the slot model
 
-    async def _run(self, job: Job) -> str:
-        """Wait for a slot (FIFO), hold it for the job's service time. Returns how it ended:
+    async def _run(self, gen: Generation) -> str:
+        """Wait for a slot (FIFO), hold it for the generation's service time. Returns how it ended:
         "done", "abort" (aborted while running), "abort_waiting", "queue_full" or "killed"."""
         loop = asyncio.get_running_loop()
         config = self.config
         if self._slots_taken >= config.slots or self.waiting:
             if config.max_queued and len(self.waiting) >= config.max_queued:
                 return "queue_full"
-            job.waiter = loop.create_future()
-            self.waiting.append(job)
-            self.active.add(job)
+            gen.waiter = loop.create_future()
+            self.waiting.append(gen)
+            self.active.add(gen)
             self.max_queued_seen = max(self.max_queued_seen, len(self.waiting))
             try:
-                granted = await job.waiter
+                granted = await gen.waiter
             finally:
-                if job in self.waiting:  # aborted or killed while waiting
-                    self.waiting.remove(job)
+                if gen in self.waiting:  # aborted or killed while waiting
+                    self.waiting.remove(gen)
             if granted is not True:
-                self.active.discard(job)
-                job.completion = 0
+                self.active.discard(gen)
+                gen.completion = 0
                 return "abort_waiting" if granted == "abort" else granted
         else:
             self._slots_taken += 1
-            self.active.add(job)
+            self.active.add(gen)
         now = time.time()
-        job.started = now
+        gen.started = now
         self.last_started_at = now
-        self.queue_seconds_sum += now - job.arrived
-        self.running.add(job)
+        self.queue_seconds_sum += now - gen.arrived
+        self.running.add(gen)
         self.max_running_seen = max(self.max_running_seen, len(self.running))
         slow = self.faults["slow_factor"]
-        job.prefill_s = max(0, job.input_tokens - job.cached) / config.prefill_tps * slow
-        job.token_s = slow / config.decode_tps
-        service = job.prefill_s + job.completion * job.token_s
-        job.done = loop.create_future()
-        timer = loop.call_later(service, _resolve, job.done, "done")
-        if job.cancel is not None:  # asked to stop between getting the slot and starting
-            _resolve(job.done, job.cancel)
+        gen.prefill_s = max(0, gen.input_tokens - gen.cached) / config.prefill_tps * slow
+        gen.token_s = slow / config.decode_tps
+        service = gen.prefill_s + gen.completion * gen.token_s
+        gen.done = loop.create_future()
+        timer = loop.call_later(service, _resolve, gen.done, "done")
+        if gen.cancel is not None:  # asked to stop between getting the slot and starting
+            _resolve(gen.done, gen.cancel)
         try:
-            outcome = await job.done
+            outcome = await gen.done
         finally:
             timer.cancel()
             end = time.time()
-            if job.done.done() and job.done.result() == "done":
-                generated = job.completion
+            if gen.done.done() and gen.done.result() == "done":
+                generated = gen.completion
             else:
-                generated = job.decoded(end)
-            self.running.discard(job)
-            self.active.discard(job)
-            self.busy_slot_seconds += end - job.started
-            self.service_seconds_sum += job.prefill_s + generated * job.token_s
+                generated = gen.decoded(end)
+            self.running.discard(gen)
+            self.active.discard(gen)
+            self.busy_slot_seconds += end - gen.started
+            self.service_seconds_sum += gen.prefill_s + generated * gen.token_s
             self._release_slot()
-        job.completion = generated
+        gen.completion = generated
         return outcome
 
     def _release_slot(self) -> None:
@@ -324,9 +324,9 @@ class SimServer:
         self._slots_taken -= 1
 
     def _abort(self, rid: str, abort_all: bool) -> int:
-        matched = [job for job in self.active if abort_all or job.rid.startswith(rid)]
-        for job in matched:
-            self._stop_job(job, "abort")
+        matched = [gen for gen in self.active if abort_all or gen.rid.startswith(rid)]
+        for gen in matched:
+            self._stop_generation(gen, "abort")
         return len(matched)
 
     def _cached_tokens(self, key: bytes, input_len: int) -> int:
@@ -343,20 +343,20 @@ class SimServer:
         while len(self._seen) > _SEEN_PREFIXES:
             self._seen.popitem(last=False)
 
-    def _finish(self, job: Job, outcome: str) -> None:
-        """Account a job that got an answer (finished or aborted)."""
+    def _finish(self, gen: Generation, outcome: str) -> None:
+        """Account a generation that got an answer (finished or aborted)."""
         now = time.time()
         self.last_finished_at = now
-        reason = "abort" if outcome in ("abort", "abort_waiting") else job.finish
+        reason = "abort" if outcome in ("abort", "abort_waiting") else gen.finish
         self.completed[reason] += 1
         self.finished_requests += 1
-        self.prompt_tokens_total += job.input_tokens
-        self.cached_tokens_total += job.cached
-        self.generation_tokens_total += job.completion
-        latency = now - job.arrived
+        self.prompt_tokens_total += gen.input_tokens
+        self.cached_tokens_total += gen.cached
+        self.generation_tokens_total += gen.completion
+        latency = now - gen.arrived
         self._latency_sum += latency
         self._latency_counts[bisect.bisect_left(_LATENCY_BUCKETS, latency)] += 1
-        self._remember(job.plan.key, job.plan.prompt_tokens + job.start + job.completion)
+        self._remember(gen.plan.key, gen.plan.prompt_tokens + gen.start + gen.completion)
 
     # ------------------------------------------------------------------ faults
 
@@ -418,24 +418,24 @@ class SimServer:
         if refused is not None:
             return refused
         try:
-            job, params = parse(await request.read())
+            gen, params = parse(await request.read())
         except BadRequest as exc:
             self.errors[exc.kind] += 1
             return _json(exc.body, exc.status)
-        outcome = await self._run(job)
+        outcome = await self._run(gen)
         if outcome == "killed":
             self.errors["killed"] += 1
             return self._drop(request)
         if outcome == "queue_full":
             self.errors["queue_full"] += 1
             return _json(openai_error(503, "The request queue is full.", "503"), 503)
-        self._finish(job, outcome)
-        return _json(render(job, outcome, params))
+        self._finish(gen, outcome)
+        return _json(render(gen, outcome, params))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve_generation(request, "chat", self._parse_chat, self._chat_body)
 
-    def _parse_chat(self, raw: bytes) -> tuple[Job, dict]:
+    def _parse_chat(self, raw: bytes) -> tuple[Generation, dict]:
         config = self.config
         data = _load_json(raw, "/v1/chat/completions", "openai_v1_chat_completions")
         messages = data.get("messages")
@@ -475,17 +475,17 @@ class SimServer:
                                      p_over_4096=config.p_over_4096, fixed_tokens=config.fixed_tokens)
         rid = data.get("rid")
         rid = rid if isinstance(rid, str) and rid else os.urandom(16).hex()
-        job = Job(rid, plan, 0, budget, self._cached_tokens(plan.key, len(prompt_ids)))
+        gen = Generation(rid, plan, 0, budget, self._cached_tokens(plan.key, len(prompt_ids)))
         params = {"prompt_ids": prompt_ids if data.get("return_token_ids") else None,
                   "separate": data.get("separate_reasoning", True) is not False,
                   "thinking": thinking}
-        return job, params
+        return gen, params
 
-    def _chat_body(self, job: Job, outcome: str, params: dict) -> dict:
-        layout = job.plan.layout
-        n = job.completion
+    def _chat_body(self, gen: Generation, outcome: str, params: dict) -> dict:
+        layout = gen.plan.layout
+        n = gen.completion
         aborted = outcome in ("abort", "abort_waiting")
-        finish = "abort" if aborted else job.finish
+        finish = "abort" if aborted else gen.finish
         reasoning = layout.reasoning_tokens(n)
         if params["thinking"] and params["separate"]:
             message = {"role": "assistant", "content": layout.answer_text(n),
@@ -497,9 +497,9 @@ class SimServer:
         if params["prompt_ids"] is not None:
             choice["prompt_token_ids"] = params["prompt_ids"]
             choice["response_token_ids"] = layout.ids(0, n)
-        prompt = job.plan.prompt_tokens
+        prompt = gen.plan.prompt_tokens
         return {
-            "id": job.rid, "object": "chat.completion", "created": int(time.time()),
+            "id": gen.rid, "object": "chat.completion", "created": int(time.time()),
             "model": self.config.model_name, "choices": [choice],
             "usage": {"prompt_tokens": prompt, "total_tokens": prompt + n, "completion_tokens": n,
                       "prompt_tokens_details": None, "reasoning_tokens": reasoning,
@@ -511,7 +511,7 @@ class SimServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         return await self._serve_generation(request, "generate", self._parse_generate, self._generate_body)
 
-    def _parse_generate(self, raw: bytes) -> tuple[Job, None]:
+    def _parse_generate(self, raw: bytes) -> tuple[Generation, None]:
         config = self.config
         data = _load_json(raw, "/generate", "generate_request")
         input_ids, text = data.get("input_ids"), data.get("text")
@@ -539,21 +539,21 @@ class SimServer:
                                      p_over_4096=config.p_over_4096, fixed_tokens=config.fixed_tokens)
         rid = data.get("rid")
         rid = rid if isinstance(rid, str) and rid else os.urandom(16).hex()
-        return Job(rid, plan, len(input_ids) - end, budget, self._cached_tokens(plan.key, len(input_ids))), None
+        return Generation(rid, plan, len(input_ids) - end, budget, self._cached_tokens(plan.key, len(input_ids))), None
 
-    def _generate_body(self, job: Job, outcome: str, _params: None) -> dict:
-        layout, n, start = job.plan.layout, job.completion, job.start
+    def _generate_body(self, gen: Generation, outcome: str, _params: None) -> dict:
+        layout, n, start = gen.plan.layout, gen.completion, gen.start
         now = time.time()
         if outcome == "abort_waiting":
             finish: dict = {"type": "abort", "message": "Abort in waiting queue"}
         elif outcome == "abort":
             finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-        elif job.finish == "stop":
+        elif gen.finish == "stop":
             finish = {"type": "stop", "matched": tokens.IM_END}
         else:
             finish = {"type": "length", "length": n}
-        started = job.started or now
-        first_token = started + job.prefill_s
+        started = gen.started or now
+        first_token = started + gen.prefill_s
         decode_s = max(1e-9, now - first_token)
         return {
             # A BPE piece carries its own leading space, so /generate's text starts with one
@@ -561,17 +561,17 @@ class SimServer:
             "text": (" " if n else "") + layout.text(start, start + n),
             "output_ids": layout.ids(start, start + n),
             "meta_info": {
-                "id": job.rid, "finish_reason": finish, "prompt_tokens": job.input_tokens,
+                "id": gen.rid, "finish_reason": finish, "prompt_tokens": gen.input_tokens,
                 "weight_version": "default", "num_retractions": 0,
                 "storage_prefetch_wait": 0.0, "storage_staging_wait": 0.0,
                 "forward_entry_time": started, "prefill_finished_time": first_token,
-                "queue_time": started - job.arrived, "reasoning_tokens": 0, "completion_tokens": n,
-                "cached_tokens": job.cached,
+                "queue_time": started - gen.arrived, "reasoning_tokens": 0, "completion_tokens": n,
+                "cached_tokens": gen.cached,
                 "weight_versions": [{"version": "default", "start": 0, "end": n}],
-                "cached_tokens_details": {"device": job.cached, "host": 0} if job.cached else None,
-                "dp_rank": None, "e2e_latency": now - job.arrived, "request_received_ts": job.arrived,
-                "first_token_latency": first_token - job.arrived,
-                "api_server_dispatch_finish_ts": job.arrived, "request_finished_ts": now,
+                "cached_tokens_details": {"device": gen.cached, "host": 0} if gen.cached else None,
+                "dp_rank": None, "e2e_latency": now - gen.arrived, "request_received_ts": gen.arrived,
+                "first_token_latency": first_token - gen.arrived,
+                "api_server_dispatch_finish_ts": gen.arrived, "request_finished_ts": now,
                 "decode_throughput": n / decode_s if n else 0.0,
                 "response_sent_to_client_ts": now,
             },
@@ -730,7 +730,7 @@ class SimServer:
             "busy_slot_seconds": self.busy_slot_seconds,
             # busy_slot_seconds counts a request when it ends; this adds the running ones so far
             "busy_slot_seconds_live": self.busy_slot_seconds + sum(
-                now - job.started for job in self.running),
+                now - gen.started for gen in self.running),
             "service_seconds_sum": self.service_seconds_sum,
             "queue_seconds_sum": self.queue_seconds_sum,
             "prompt_tokens": self.prompt_tokens_total,
@@ -802,7 +802,7 @@ def _validation_error(err_type: str, loc: tuple, msg: str, value: Any, path: str
     err = {"type": err_type, "loc": loc, "msg": msg, "input": value}
     message = (f"1 validation error:\n  {err!r}\n\n  File \"sglang/srt/entrypoints/http_server.py\", "
                f"in {func}\n    POST {path} [{err!r}]")
-    return BadRequest(400, openai_error(400, message, "Bad Request"))
+    return BadRequest(400, openai_error(400, message, "Bad Generation"))
 
 
 def _native_error(message: str) -> BadRequest:
