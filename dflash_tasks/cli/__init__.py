@@ -14,7 +14,7 @@ COMMANDS = {
     "status": "dflash_tasks.cli.run:status",
     "failed": "dflash_tasks.cli.failures:failed",
     "retry-failed": "dflash_tasks.cli.failures:retry_failed",
-    "export": "dflash_tasks.cli.output:export",
+    "export": "dflash_tasks.cli.export:export",
     "validate": "dflash_tasks.cli.validate:validate",
     "jobs": "dflash_tasks.cli.jobs:list_jobs",
     "pause": "dflash_tasks.cli.jobs:pause",

@@ -1,7 +1,9 @@
 """What every command shares: consoles, and Redis and job look-ups that fail with a clear message."""
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import click
 import redis
@@ -97,3 +99,64 @@ def change_state(r: redis.Redis, command: str, job: jobs.Job) -> str:
         raise click.ClickException(f"job {job.name} changed from {job.status} to "
                                    f"{now.status if now else 'deleted'} while this ran; nothing "
                                    "was changed: run the command again")
+
+
+# -- the shipped rows: the row rules and look-ups of validate and export --format ----------------
+
+def rule_options(f):
+    """The row rules, shared by validate and the training formats of export."""
+    f = click.option("--keep-truncated", is_flag=True,
+                     help="Keep rows cut by max_tokens (dropped by default: their answer never "
+                          "finished).")(f)
+    f = click.option("--max-length", type=click.IntRange(min=1), default=16384, show_default=True,
+                     help="The training max length: longer rows (input ids) are flagged and "
+                          "dropped.")(f)
+    f = click.option("--min-loss-tokens", type=click.IntRange(min=0), default=32,
+                     show_default=True,
+                     help="Rows with fewer loss-mask tokens are flagged and dropped.")(f)
+    f = click.option("--tokenizer", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                     help="The target model's tokenizer directory (its chat template renders rows "
+                          "without server token ids; validate also checks it against the ids).")(f)
+    return f
+
+
+def job_storage_from(source: str | None, name: str):
+    """The job's shipped batches: at --from, else the deployment's storage."""
+    from dflash_tasks.output.storage import storage_at, storage_for
+    from dflash_tasks.training.data.reader import job_storage
+
+    s = get_settings()
+    return job_storage(storage_at(source, s) if source else storage_for(s), name)
+
+
+def chat_template_option(path: Path | None):
+    """--tokenizer's chat template, or a clear error naming the option."""
+    if path is None:
+        return None
+    from dflash_tasks.training.data.tokens import ChatTemplate, TokenizeError
+
+    try:
+        return ChatTemplate.load(path)
+    except (TokenizeError, OSError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--tokenizer") from None
+
+
+def shipped_progress(storage, name: str) -> dict | None:
+    """The progress.json beside the job's batches (None when there is none, or unreadable)."""
+    from dflash_tasks.output.batches import progress_key
+    from dflash_tasks.output.storage import StorageError
+
+    try:
+        return json.loads(storage.get(progress_key(name)))
+    except (StorageError, ValueError):
+        return None
+
+
+def check_job_option(name: str) -> None:
+    """--job refused with the naming rule when it is not a valid job name."""
+    from dflash_tasks.core.keys import check_job_name
+
+    try:
+        check_job_name(name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--job") from None

@@ -1,4 +1,4 @@
-"""Training data: the quality gate (validate) and the training formats of `export --format`."""
+"""`manage.py validate`: the quality gate over a job's shipped rows."""
 from __future__ import annotations
 
 import json
@@ -8,80 +8,17 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from dflash_tasks.cli.common import console, err_console
-from dflash_tasks.core.settings import get_settings
+from dflash_tasks.cli.common import (
+    chat_template_option,
+    check_job_option,
+    console,
+    err_console,
+    job_storage_from,
+    rule_options,
+    shipped_progress,
+)
 
 _SHARE = click.FloatRange(0.0, 1.0)
-
-
-def _rule_options(f):
-    """The row rules, shared by validate and the training formats of export."""
-    f = click.option("--keep-truncated", is_flag=True,
-                     help="Keep rows cut by max_tokens (dropped by default: their answer never "
-                          "finished).")(f)
-    f = click.option("--max-length", type=click.IntRange(min=1), default=16384, show_default=True,
-                     help="The training max length: longer rows (input ids) are flagged and "
-                          "dropped.")(f)
-    f = click.option("--min-loss-tokens", type=click.IntRange(min=0), default=32,
-                     show_default=True,
-                     help="Rows with fewer loss-mask tokens are flagged and dropped.")(f)
-    f = click.option("--tokenizer", type=click.Path(exists=True, file_okay=False, path_type=Path),
-                     help="The target model's tokenizer directory (its chat template renders rows "
-                          "without server token ids; validate also checks it against the ids).")(f)
-    return f
-
-
-def training_options(f):
-    """`export --format` and the rules its training formats apply (added to cli/output.py)."""
-    from dflash_tasks.training.data.exports import FORMATS
-
-    f = _rule_options(f)
-    return click.option("--format", "fmt", type=click.Choice(["batches", *FORMATS]),
-                        default="batches", show_default=True,
-                        help="batches: the verified zstd batches and manifest as shipped; "
-                             "specforge-conversations: SpecForge's regenerated-data JSONL; "
-                             "specforge-tokenized: input_ids + loss_mask JSONL for SpecForge's "
-                             "prompts_path; parquet: for datasets.load_dataset. The training "
-                             "formats keep only rows that pass the quality gate's rules and "
-                             "report what was dropped and why.")(f)
-
-
-def _storage(source: str | None, name: str):
-    from dflash_tasks.output.storage import storage_at, storage_for
-    from dflash_tasks.training.data.reader import job_storage
-
-    s = get_settings()
-    return job_storage(storage_at(source, s) if source else storage_for(s), name)
-
-
-def _template(path: Path | None):
-    if path is None:
-        return None
-    from dflash_tasks.training.data.tokens import ChatTemplate, TokenizeError
-
-    try:
-        return ChatTemplate.load(path)
-    except (TokenizeError, OSError, ValueError) as exc:
-        raise click.BadParameter(str(exc), param_hint="--tokenizer") from None
-
-
-def _job_state(storage, name: str) -> dict | None:
-    from dflash_tasks.output.batches import progress_key
-    from dflash_tasks.output.storage import StorageError
-
-    try:
-        return json.loads(storage.get(progress_key(name)))
-    except (StorageError, ValueError):
-        return None
-
-
-def _check_name(name: str) -> None:
-    from dflash_tasks.core.keys import check_job_name
-
-    try:
-        check_job_name(name)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--job") from None
 
 
 def _print_report(name: str, where: str, figures: dict, failures: list[str], state: dict | None,
@@ -147,7 +84,7 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
 @click.option("--job", "name", required=True, help="The job whose shipped rows to check.")
 @click.option("--from", "source", metavar="S3_URI_OR_DIR",
               help="Where the batches are [DFLASH_S3_URI, else DFLASH_OUTPUT_DIR].")
-@_rule_options
+@rule_options
 @click.option("--sample", type=click.IntRange(min=0), default=0, show_default=True,
               help="Check only the newest N rows (0: all).")
 @click.option("--compare-rows", type=click.IntRange(min=0), default=1000, show_default=True,
@@ -180,9 +117,9 @@ def validate(name: str, source: str | None, tokenizer: Path | None, min_loss_tok
     from dflash_tasks.training.data.gate import Rules, Thresholds
     from dflash_tasks.training.data.reader import NoManifest
 
-    _check_name(name)
-    storage = _storage(source, name)
-    template = _template(tokenizer)
+    check_job_option(name)
+    storage = job_storage_from(source, name)
+    template = chat_template_option(tokenizer)
     rules = Rules(min_loss_tokens=min_loss_tokens, max_length=max_length,
                   keep_truncated=keep_truncated)
     th = Thresholds(**limits)
@@ -200,7 +137,7 @@ def validate(name: str, source: str | None, tokenizer: Path | None, min_loss_tok
     except (NoManifest, ChecksumMismatch, StorageError) as exc:
         raise click.ClickException(str(exc)) from None
     figures = report.figures()
-    state = _job_state(storage, name)
+    state = shipped_progress(storage, name)
     if as_json:
         click.echo(json.dumps({**figures, "job": name, "passed": not failures,
                                "failures": failures, "thresholds": th.__dict__,
@@ -213,59 +150,3 @@ def validate(name: str, source: str | None, tokenizer: Path | None, min_loss_tok
         sys.exit(1)
 
 
-def export_format(name: str, dest: Path, source: str | None, *, fmt: str, tokenizer: Path | None,
-                  min_loss_tokens: int, max_length: int, keep_truncated: bool) -> None:
-    """The training formats of `manage.py export` (called from cli/output.py)."""
-    from dflash_tasks.output.batches import ChecksumMismatch
-    from dflash_tasks.output.storage import StorageError
-    from dflash_tasks.training.data.exports import export_training, report_files
-    from dflash_tasks.training.data.gate import REASONS, Rules
-    from dflash_tasks.training.data.reader import NoManifest
-
-    _check_name(name)
-    storage = _storage(source, name)
-    template = _template(tokenizer)
-    rules = Rules(min_loss_tokens=min_loss_tokens, max_length=max_length,
-                  keep_truncated=keep_truncated)
-    state = _job_state(storage, name)
-    if state and state.get("status") != "done":
-        err_console.print(f"[yellow]job {name} is {state.get('status')}: exporting the rows "
-                          "shipped so far[/]")
-    try:
-        with err_console.status(f"exporting {name} as {fmt} ...") as spin:
-            n = [0]
-
-            def on_batch(rec: dict) -> None:
-                n[0] += 1
-                spin.update(f"read {n[0]} batches ({rec['name']})")
-
-            out = export_training(storage, name, fmt, dest, rules, template=template,
-                                  on_batch=on_batch)
-    except (NoManifest, ChecksumMismatch, StorageError) as exc:
-        raise click.ClickException(str(exc)) from None
-    summary = out.summary()
-    t = Table(title=f"export of job {name} as {fmt}", show_header=False, box=None)
-    t.add_row("manifest", storage.location(f"{name}/manifest.json"))
-    t.add_row("to", str(out.path))
-    t.add_row("rows read", f"{summary['rows_read']:,} ({summary['unique_ids']:,} unique ids)")
-    t.add_row("kept", f"{out.kept:,}")
-    for reason, count in sorted(summary["dropped"].items(), key=lambda kv: -kv[1]):
-        t.add_row(f"dropped: {reason}", f"{count:,}  ({REASONS[reason]})")
-    report_name, dropped_name = report_files(fmt)
-    t.add_row("report", str(Path(dest) / report_name) + ", dropped ids in "
-              + str(Path(dest) / dropped_name))
-    if fmt == "specforge-conversations" and out.kept:
-        from dflash_tasks.training.queue.specforge import HandoffError, template_for
-
-        try:
-            t.add_row("SpecForge", f"data.chat_template: {template_for(None, dict(out.thinking))}"
-                                   ", data.train_only_last_turn: true")
-        except HandoffError as exc:
-            err_console.print(f"[yellow]{exc}[/]")
-        if keep_truncated:
-            err_console.print("[yellow]truncated rows kept: SpecForge renders each with an "
-                              "end-of-turn token the model never generated, and trains on it[/]")
-    console.print(t)
-    if out.kept == 0:
-        raise click.ClickException(f"no row of job {name} passed the rules: nothing to train on "
-                                   f"(see {report_name})")
