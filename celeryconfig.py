@@ -4,6 +4,7 @@ Values that depend on the deployment come from DFLASH_* environment variables (s
 """
 from datetime import timedelta
 
+from dflash_tasks.core.keys import CONTROL_QUEUE, LAUNCH_TRAINING_TASK, MAINTAIN_TASK, TICK_TASK
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.worker import transport as _transport
 
@@ -79,15 +80,18 @@ result_expires = 3600
 
 # Prompt tasks go to their GPU's queue explicitly; everything else (beat) to `control`, so
 # progress and uploads never wait behind prompts.
-task_default_queue = "control"
+task_default_queue = CONTROL_QUEUE
 task_create_missing_queues = True
 
 task_send_sent_event = True
 worker_send_task_events = True
 
 beat_schedule = {
-    "tick": {"task": "dflash_tasks.tick", "schedule": timedelta(seconds=_s.progress_interval_s),
-             "options": {"queue": "control", "expires": _s.progress_interval_s * 2}},
-    "maintain": {"task": "dflash_tasks.maintain", "schedule": timedelta(seconds=_s.maintain_interval_s),
-                 "options": {"queue": "control", "expires": _s.maintain_interval_s * 2}},
+    "tick": {"task": TICK_TASK, "schedule": timedelta(seconds=_s.progress_interval_s),
+             "options": {"queue": CONTROL_QUEUE, "expires": _s.progress_interval_s * 2}},
+    "maintain": {"task": MAINTAIN_TASK, "schedule": timedelta(seconds=_s.maintain_interval_s),
+                 "options": {"queue": CONTROL_QUEUE, "expires": _s.maintain_interval_s * 2}},
+    "launch-training": {"task": LAUNCH_TRAINING_TASK,
+                        "schedule": timedelta(seconds=_s.progress_interval_s),
+                        "options": {"queue": CONTROL_QUEUE, "expires": _s.progress_interval_s * 2}},
 }

@@ -95,7 +95,7 @@ def test_a_training_run_named_outside_the_training_dir_is_refused(tmp_path, fiel
     from dflash_tasks.training.queue.runs import Run
 
     names = {"run": "j-train-1", "job": "j", field: name}
-    run = Run(run=names["run"], job=names["job"], trainer="command", status="queued")
+    run = Run(name=names["run"], job=names["job"], trainer="command", status="queued")
     root = tmp_path / "deep" / "training"
     with pytest.raises(TrainingError, match=f"training run refused: its {field} name: invalid "
                                             f"job name {name!r}"):
@@ -108,7 +108,7 @@ def test_a_good_training_run_stays_under_the_training_dir(tmp_path):
     from dflash_tasks.training.queue.execute import RunSession
     from dflash_tasks.training.queue.runs import Run
 
-    run = Run(run="j.v2-train-1", job="j.v2", trainer="command", status="queued")
+    run = Run(name="j.v2-train-1", job="j.v2", trainer="command", status="queued")
     session = RunSession(None, run, Settings(train_dir=tmp_path / "training"),
                          publish_state=print, hostname="h")
     assert session.run_dir == tmp_path / "training" / "j.v2-train-1"

@@ -8,6 +8,7 @@ import sys
 import click
 
 from dflash_tasks.cli.common import err_console
+from dflash_tasks.core.keys import CONTROL_QUEUE, TRAIN_QUEUE
 from dflash_tasks.core.settings import get_settings, redact_url
 
 # -- processes ----------------------------------------------------------------------------------
@@ -35,7 +36,7 @@ class _OneRole(click.Command):
 
 @click.command(cls=_OneRole)
 @click.option("--gpu", type=click.IntRange(min=0), help="GPU index I: consumes queue gpuI.")
-@click.option("--queue", type=click.Choice(["train"]),
+@click.option("--queue", type=click.Choice([TRAIN_QUEUE]),
               help="train: the training worker (one run at a time; manage.py train queues runs).")
 @click.option("--sglang-url", help="This GPU's SGLang server [http://127.0.0.1:{30000+I}].")
 @click.option("--concurrency", type=click.IntRange(min=1),
@@ -47,10 +48,10 @@ def worker(gpu: int | None, queue: str | None, sglang_url: str | None, concurren
     (--queue train)."""
     from dflash_tasks.sglang import SGLangClient, SGLangError
 
-    if queue == "train":
+    if queue == TRAIN_QUEUE:
         # Threads, not prefork: the run executes in this process, so a warm shutdown (TERM)
         # reaches it at once and it hands itself back to the queue from its last checkpoint.
-        _exec_celery(["worker", "-Q", "train", "-n", "train@%h", "-P", "threads", "-c", "1",
+        _exec_celery(["worker", "-Q", TRAIN_QUEUE, "-n", f"{TRAIN_QUEUE}@%h", "-P", "threads", "-c", "1",
                       "-E", "--without-gossip", "--without-mingle", "--loglevel", loglevel])
 
     if sglang_url:
@@ -85,7 +86,7 @@ def beat(loglevel: str) -> None:
     Run one per deployment; a second one by mistake corrupts nothing (locks, idempotent ticks)."""
     schedule = get_settings().output_dir / "celerybeat-schedule"
     schedule.parent.mkdir(parents=True, exist_ok=True)
-    _exec_celery(["worker", "-B", "-s", str(schedule), "-Q", "control", "-n", "control@%h",
+    _exec_celery(["worker", "-B", "-s", str(schedule), "-Q", CONTROL_QUEUE, "-n", f"{CONTROL_QUEUE}@%h",
                   "-P", "threads", "-c", "4", "-E", "--without-gossip", "--without-mingle",
                   "--loglevel", loglevel])
 

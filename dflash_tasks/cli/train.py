@@ -91,7 +91,7 @@ def train(job: str, after_done: bool, min_rows: int | None, trainer: str, comman
     except (runs.RunExists, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     if trigger == "now":
-        send(run.run)
+        send(run.name)
     if as_json:
         click.echo(json.dumps(run.as_dict(), indent=1))
         return
@@ -102,9 +102,9 @@ def train(job: str, after_done: bool, min_rows: int | None, trainer: str, comman
         when = f"waiting for job {job} to be done; beat queues it then"
     else:
         when = f"waiting for {min_rows:,} shipped rows of job {job}; beat queues it then"
-    console.print(f"training run [bold]{run.run}[/] ({trainer} trainer): {when}.\n"
+    console.print(f"training run [bold]{run.name}[/] ({trainer} trainer): {when}.\n"
                   f"  a training worker runs it: python manage.py worker --queue train\n"
-                  f"  follow it: python manage.py train-status --run {run.run}", highlight=False)
+                  f"  follow it: python manage.py train-status --run {run.name}", highlight=False)
 
 
 @click.command("train-cancel")
@@ -186,7 +186,7 @@ def train_status(run_name: str | None, job: str | None, as_json: bool) -> None:
         by_pos = m.get("accuracy_by_position") or [None]
         status = run.status + (f" ({run.get('phase')})" if run.status == runs.RUNNING
                                and run.get("phase") else "")
-        rows.append({"run": run.run, "job": run.job, "trainer": run.trainer, "status": status,
+        rows.append({"run": run.name, "job": run.job, "trainer": run.trainer, "status": status,
                      "step": _fmt(m.get("step")), "loss": _fmt(m.get("loss"), ".4f"),
                      "acc@1": _fmt(by_pos[0], ".3f"), "tokens/s": _fmt(m.get("tokens_per_s"), ",.0f"),
                      "exit": _fmt(run.get("exit_code")), "duration (s)": _fmt(run.get("duration_s"), ".0f"),
@@ -226,7 +226,7 @@ def _columns_that_fit(rows: list[dict], width: int) -> list[str]:
 
 
 def _detail(run) -> None:
-    t = Table(title=f"training run {run.run}", show_header=False, box=None)
+    t = Table(title=f"training run {run.name}", show_header=False, box=None)
     t.add_column("what", no_wrap=True)
     t.add_column("value", overflow="fold")  # paths and the command wrap, never cut
     t.add_row("job", run.job)

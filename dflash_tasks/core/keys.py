@@ -1,4 +1,5 @@
-"""Every Redis key the project owns, in one place. docs/ARCHITECTURE.md explains each one.
+"""Every Redis key the project owns, and every Celery task and queue name, in one place.
+docs/ARCHITECTURE.md explains each key.
 
 Per-job keys carry the job name in braces, a Redis Cluster hash tag, so the multi-key Lua
 scripts of the ledger touch one slot.
@@ -15,6 +16,16 @@ BREAKERS = f"{PREFIX}:breakers"  # hash: "gpu3" -> JSON {state, consecutive_fail
 SERVERS = f"{PREFIX}:servers"    # hash: "gpu3" -> JSON of its SGLang server's /metrics sample
 WORKERS_SEEN = f"{PREFIX}:workers:seen"  # hash: "gpu3" -> Redis time of the worker's last heartbeat
 BEAT_SEEN = f"{PREFIX}:beat:seen"  # string: Redis time of beat's last tick (status: is beat running?)
+
+# Celery task and queue names: the contract between the processes that send and run messages
+# (renaming one strands the messages already queued under the old name).
+GENERATE_TASK = "dflash_tasks.generate"  # one prompt, on its GPU's queue
+TICK_TASK = "dflash_tasks.tick"          # beat: seal and ship batches, progress.json
+MAINTAIN_TASK = "dflash_tasks.maintain"  # beat: windows full, lost and stranded work back
+TRAIN_TASK = "dflash_tasks.train"        # one training run, on the train queue
+LAUNCH_TRAINING_TASK = "dflash_tasks.launch_training"  # beat: queue the runs whose data is ready
+CONTROL_QUEUE = "control"                # beat's tasks (and Celery's default queue)
+TRAIN_QUEUE = "train"
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 

@@ -16,11 +16,10 @@ from celery import Celery
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.connections import redis_client
-from dflash_tasks.core.keys import WORKERS, WORKERS_SEEN, JobKeys, queue_for
+from dflash_tasks.core.keys import GENERATE_TASK, WORKERS, WORKERS_SEEN, JobKeys, queue_for
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.ledger import shared_ledger
 
-GENERATE = "dflash_tasks.generate"
 UNACKED = "unacked"   # kombu's Redis transport: delivered, not yet acknowledged messages
 log = logging.getLogger(__name__)
 _CAPACITY_TTL_S = 30.0
@@ -48,7 +47,7 @@ def publish(app: Celery, job: str, gpu: int, prompt_ids: list[str]) -> None:
         return
     with app.producer_or_acquire() as producer:
         for prompt_id in prompt_ids:
-            app.send_task(GENERATE, args=(job, prompt_id, gpu), queue=queue_for(gpu),
+            app.send_task(GENERATE_TASK, args=(job, prompt_id, gpu), queue=queue_for(gpu),
                           producer=producer)
 
 
@@ -59,7 +58,7 @@ def topup(app: Celery, job: str, gpu: int) -> int:
     messages in the same call (no kombu publish, no task-sent event per refill). Once pending is
     empty, a GPU with an empty queue takes one waiting prompt from the longest other queue of the
     job (see take.lua): the end of a run is not spent waiting for the slowest GPU's backlog."""
-    ids = shared_ledger().take(job, gpu, window_for(gpu), gpus=job_gpus(job), task=GENERATE,
+    ids = shared_ledger().take(job, gpu, window_for(gpu), gpus=job_gpus(job), task=GENERATE_TASK,
                         origin=_origin(), reply_to=app.thread_oid)
     return len(ids)
 
@@ -194,7 +193,7 @@ def _job_and_id(entry) -> tuple[str, str]:
     """(job, prompt id) of a generate task message in kombu's envelope; ("", "") otherwise."""
     try:
         payload = json.loads(entry) if isinstance(entry, (bytes, str)) else entry
-        if payload.get("headers", {}).get("task") != GENERATE:
+        if payload.get("headers", {}).get("task") != GENERATE_TASK:
             return "", ""
         body = payload["body"]
         if payload.get("properties", {}).get("body_encoding") == "base64":

@@ -11,7 +11,7 @@ import time
 from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
 from dflash_tasks.core.connections import redis_client
-from dflash_tasks.core.keys import BEAT_SEEN, JobKeys
+from dflash_tasks.core.keys import BEAT_SEEN, MAINTAIN_TASK, TICK_TASK, JobKeys
 from dflash_tasks.core.locks import HeldLock, LockLost
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.ledger import shared_ledger
@@ -19,9 +19,7 @@ from dflash_tasks.output.batches import BatchPolicy, BatchWriter, progress_key
 from dflash_tasks.output.progress import is_finished, prune_rate, snapshot
 from dflash_tasks.output.storage import LocalStorage, StorageError, storage_for
 from dflash_tasks.tasks.app import app
-from dflash_tasks.tasks.train import send as send_training
 from dflash_tasks.training.data.monitor import sample_quality
-from dflash_tasks.training.queue import launch
 
 log = logging.getLogger(__name__)
 ACTIVE = ("running", "paused")
@@ -35,11 +33,10 @@ def batch_writer() -> BatchWriter:
 
 
 def tick_job(name: str) -> dict | None:
-    """Seal and ship what is ready, mark the job done when everything is shipped, and write
-    progress.json (always to the output directory, and beside the batches when that is S3).
-    One tick per job at a time (a lock), so a second beat started by mistake only skips; a
-    storage failure is logged once, shown in progress.json, and retried at the next tick.
-    Returns the snapshot written, or None when another tick holds the job."""
+    """Seal and ship what is ready, write progress.json, and mark the job done once everything
+    is shipped. One tick per job at a time (a lock), so a second beat started by mistake only
+    skips; a storage failure is logged once, shown in progress.json, and retried at the next
+    tick. Returns the snapshot written, or None when another tick holds the job."""
     r, s = redis_client(), get_settings()
     lock = HeldLock(r, JobKeys(name).tick_lock, s.lock_ttl_s)
     if not lock.acquire():
@@ -47,41 +44,56 @@ def tick_job(name: str) -> dict | None:
         return None
     with lock:
         storage = storage_for(s)
-        remote = getattr(storage, "is_remote", False)
-        snap = snapshot(r, name, s)
-        sample_quality(r, name)  # training-data figures of fresh rows (before sealing them)
-        all_answered = snap["completed"] + snap["failed"] >= snap["total"] and snap["pending"] == 0
-        # The error state changes only on evidence: a failed write sets it, a write that went
-        # through clears it (a tick with nothing to seal proves nothing).
-        try:
-            if batch_writer().flush(name, final=all_answered):
-                _storage_state(r, name, None, snap["unsealed_rows"])
-        except (StorageError, OSError) as exc:
-            _storage_state(r, name, exc, snap["unsealed_rows"])
-        prune_rate(r, name, len(snap["gpus"]), keep_s=2 * s.rate_window_s + 60)
+        _seal_and_ship(r, s, name, storage)
         snap = snapshot(r, name, s)
         finished = snap["status"] == "running" and is_finished(snap)
         if finished:
             snap["status"] = "done"
-        body = json.dumps(snap, indent=1).encode()
         lock.still_held()
-        LocalStorage(s.output_dir).put(progress_key(name), body)
-        shipped = not remote
-        if remote and not (snap["storage_error"] and snap["unsealed_rows"]):
-            try:
-                storage.put(progress_key(name), body)
-                shipped = True
-                _storage_state(r, name, None, snap["unsealed_rows"])
-            except StorageError as exc:
-                _storage_state(r, name, exc, snap["unsealed_rows"])
+        beside_batches = _write_progress(r, s, name, storage, snap)
         # Done only once the final progress.json is beside the batches: a done job has no more
         # ticks, so a failed last upload is retried by staying "running" one more tick.
         # Done only if nothing changed since the snapshot (an enqueue that added prompts, a pause):
         # otherwise the next tick writes the job as it is now.
-        if finished and shipped and snap["storage_error"] is None and \
+        if finished and beside_batches and snap["storage_error"] is None and \
                 jobs.transition(r, name, "running", "done", expect_total=snap["total"]):
             log.info("job %s: done, %d completed, %d failed", name, snap["completed"], snap["failed"])
     return snap
+
+
+def _seal_and_ship(r, s, name: str, storage) -> None:
+    """Sample the fresh rows' training-data quality (before they are sealed), seal and upload
+    the full batches (every row, once every prompt has its answer), prune the rate window."""
+    snap = snapshot(r, name, s)
+    sample_quality(r, name)
+    all_answered = snap["completed"] + snap["failed"] >= snap["total"] and snap["pending"] == 0
+    # The error state changes only on evidence: a failed write sets it, a write that went
+    # through clears it (a tick with nothing to seal proves nothing).
+    try:
+        if batch_writer().flush(name, final=all_answered):
+            _storage_state(r, name, None, snap["unsealed_rows"])
+    except (StorageError, OSError) as exc:
+        _storage_state(r, name, exc, snap["unsealed_rows"])
+    prune_rate(r, name, len(snap["gpus"]), keep_s=2 * s.rate_window_s + 60)
+
+
+def _write_progress(r, s, name: str, storage, snap: dict) -> bool:
+    """progress.json in the output directory, and beside the batches when they go to S3 (not
+    while storage fails with rows waiting: the error is in the local copy). True when a copy is
+    where the batches are."""
+    body = json.dumps(snap, indent=1).encode()
+    LocalStorage(s.output_dir).put(progress_key(name), body)
+    if not getattr(storage, "is_remote", False):
+        return True
+    if snap["storage_error"] and snap["unsealed_rows"]:
+        return False
+    try:
+        storage.put(progress_key(name), body)
+    except StorageError as exc:
+        _storage_state(r, name, exc, snap["unsealed_rows"])
+        return False
+    _storage_state(r, name, None, snap["unsealed_rows"])
+    return True
 
 
 def _storage_state(r, name: str, error: Exception | None, backlog: int) -> None:
@@ -137,7 +149,7 @@ def _each_job(r, work) -> None:
             log.exception("job %s: skipped this time", name)
 
 
-@app.task(name="dflash_tasks.tick", ignore_result=True)
+@app.task(name=TICK_TASK, ignore_result=True)
 def tick() -> None:
     r = redis_client()
     seconds, micros = r.time()
@@ -148,13 +160,9 @@ def tick() -> None:
             tick_job(job.name)
 
     _each_job(r, tick_if_active)
-    try:
-        launch.beat(r, get_settings(), send_training)
-    except Exception:
-        log.exception("launching training runs failed (tried again at the next tick)")
 
 
-@app.task(name="dflash_tasks.maintain", ignore_result=True)
+@app.task(name=MAINTAIN_TASK, ignore_result=True)
 def maintain() -> None:
     r, s = redis_client(), get_settings()
 

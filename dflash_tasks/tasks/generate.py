@@ -33,9 +33,9 @@ import redis
 from celery.exceptions import Reject, Retry
 
 from dflash_tasks.core.jobs import GenerationParams
-from dflash_tasks.core.keys import queue_for
+from dflash_tasks.core.keys import GENERATE_TASK, queue_for
 from dflash_tasks.core.settings import get_settings
-from dflash_tasks.dispatch import GENERATE, job_gpus, topup
+from dflash_tasks.dispatch import job_gpus, topup
 from dflash_tasks.ledger import shared_ledger
 from dflash_tasks.output.rows import build_row
 from dflash_tasks.sglang import PermanentError, SGLangError, TransientError
@@ -76,7 +76,7 @@ def durable(what: str, fn: Callable[..., T], *args, **kwargs) -> T:
             delay = min(delay * 2, 10.0)
 
 
-@app.task(name=GENERATE, bind=True, max_retries=None, throws=(PromptFailed,))
+@app.task(name=GENERATE_TASK, bind=True, max_retries=None, throws=(PromptFailed,))
 def generate(self, job: str, prompt_id: str, gpu: int, tries: int = 0) -> dict:
     try:
         return _generate(self, job, prompt_id, gpu, tries)

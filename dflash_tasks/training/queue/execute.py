@@ -56,7 +56,7 @@ class RunSession:
     def __init__(self, r: redis.Redis, run: runs.Run, settings: Settings, *,
                  publish_state: Callable[[dict], None], hostname: str, task_id: str | None = None):
         self.r, self.run, self.s = r, run, settings
-        self.name = run.run
+        self.name = run.name
         self.publish_state = publish_state
         # Owns the run while running: a task id, or a unique token when run outside Celery.
         self.hostname, self.owner = hostname, task_id or f"{hostname}:{uuid.uuid4()}"
@@ -391,12 +391,12 @@ class RunSession:
 def _run_dir(root: Path, run: runs.Run) -> Path:
     """root/<run>, with the run's names as manage.py train checked them: the run comes from
     Redis, which others write to, and its data/ and checkpoints/ must stay under root."""
-    for what, name in (("run", run.run), ("job", run.job)):
+    for what, name in (("run", run.name), ("job", run.job)):
         try:
             check_job_name(str(name))
         except ValueError as exc:
             raise TrainingError(f"training run refused: its {what} name: {exc}") from None
-    path = root / run.run
+    path = root / run.name
     if os.path.normpath(path).rsplit(os.sep, 1)[0] != os.path.normpath(root):
         raise TrainingError(f"training run refused: {path} is not directly under {root}")
     return path

@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 
 
 def beat(r: redis.Redis, s: Settings, send) -> None:
-    """Every beat tick: launch, send again, queue again (each a compare-and-set per run), over
-    the unfinished runs read once."""
+    """Beat's launch_training, every few seconds: launch, send again, queue again (each a
+    compare-and-set per run), over the unfinished runs read once."""
     active = [run for name in runs.names(r) if (run := runs.load(r, name)) and not run.final]
     launch_ready(r, active, send)
     send_unsent(r, active, send)
@@ -48,7 +48,7 @@ def launch_ready(r: redis.Redis, candidates: list[runs.Run], send) -> list[str]:
     """Queue every waiting run whose trigger holds; returns their names."""
     launched = []
     for run in candidates:
-        name = run.run
+        name = run.name
         if run.status != runs.WAITING or not is_ready(r, run):
             continue
         if runs.transition(r, name, (runs.WAITING,), runs.QUEUED, queued_at=time.time()):
@@ -63,7 +63,7 @@ def send_unsent(r: redis.Redis, candidates: list[runs.Run], send) -> list[str]:
     """Send the message of each run a stopping worker handed back (runs.mark_unsent)."""
     sent = []
     for run in candidates:
-        name = run.run
+        name = run.name
         if run.status == runs.QUEUED and run.get("unsent") and runs.claim_unsent(r, name):
             send(name)
             sent.append(name)
@@ -78,7 +78,7 @@ def requeue_lost(r: redis.Redis, s: Settings, candidates: list[runs.Run], send) 
     now = runs.redis_now(r)
     queued = []
     for run in candidates:
-        name = run.run
+        name = run.name
         if run.status != runs.RUNNING:
             continue
         beat_at = float(run.get("heartbeat_at") or 0)

@@ -36,8 +36,6 @@ from dflash_tasks.ledger import Ledger
 WAITING, QUEUED, RUNNING = "waiting", "queued", "running"
 DONE, FAILED, REFUSED, CANCELLED = "done", "failed", "refused", "cancelled"
 FINAL = (DONE, FAILED, REFUSED, CANCELLED)
-TRAIN_QUEUE = "train"
-TASK = "dflash_tasks.train"
 
 _JSON_FIELDS = ("spec", "metrics", "log_tail", "checkpoints", "uploaded", "gate")
 _INT_FIELDS = ("attempts", "restarts", "exit_code", "step", "cancel_requested")
@@ -51,7 +49,7 @@ class RunExists(ValueError):
 
 @dataclass
 class Run:
-    run: str
+    name: str
     job: str
     trainer: str
     status: str
@@ -68,7 +66,7 @@ class Run:
         return self.status in FINAL
 
     def as_dict(self) -> dict:
-        return {"run": self.run, "job": self.job, "trainer": self.trainer, "status": self.status,
+        return {"run": self.name, "job": self.job, "trainer": self.trainer, "status": self.status,
                 "trigger": self.trigger, "min_rows": self.min_rows, **self.fields}
 
 
@@ -105,7 +103,7 @@ def load(r: redis.Redis, name: str) -> Run | None:
         for f in names:
             if d.get(f) not in (None, ""):
                 d[f] = decode(d[f])
-    return Run(run=d.pop("run"), job=d.pop("job"), trainer=d.pop("trainer"),
+    return Run(name=d.pop("run"), job=d.pop("job"), trainer=d.pop("trainer"),
                status=d.pop("status"), trigger=d.pop("trigger", "now"),
                min_rows=int(d.pop("min_rows", 0) or 0), spec=d.pop("spec", {}), fields=d)
 
