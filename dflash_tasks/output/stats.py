@@ -9,7 +9,6 @@ the newest rows: those still in the Redis stream, then the newest sealed batches
 """
 from __future__ import annotations
 
-import math
 from itertools import islice
 from typing import Iterable
 
@@ -17,6 +16,7 @@ import redis
 
 from dflash_tasks.core.keys import JobKeys
 from dflash_tasks.ledger import HIST_BUCKET_TOKENS
+from dflash_tasks.ledger.histogram import bucket_value, length_percentile, rank
 from dflash_tasks.output.batches import iter_newest_rows
 from dflash_tasks.output.storage import Storage
 
@@ -24,11 +24,11 @@ THINK_MARKERS = ("<think>", "</think>")
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list (q in 0..100)."""
+    """The q-th percentile (q in 0..100) of an ascending list, by the project's one rank rule,
+    nearest rank (ledger.histogram.rank); 0 for an empty list."""
     if not sorted_values:
         return 0
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
+    return sorted_values[rank(q / 100, len(sorted_values)) - 1]
 
 
 def summary(values: Iterable[float]) -> dict:
@@ -40,27 +40,15 @@ def summary(values: Iterable[float]) -> dict:
 
 
 def histogram_percentiles(hist: dict[int, int], max_tokens: int | None) -> dict:
-    """Percentiles from the ledger's length histogram. A bucket is reported by its lower edge,
-    except that a bucket holding the cap reports the cap (truncated rows are exactly the cap)."""
+    """Percentiles from the ledger's length histogram, capped at max_tokens
+    (ledger.histogram.length_percentile: a bucket's lower edge, or the cap for the bucket holding
+    the cap, since truncated rows are exactly the cap)."""
     total = sum(hist.values())
     if not total:
         return {"count": 0, "p50": 0, "p90": 0, "p99": 0, "max": 0}
-
-    def value(bucket: int) -> int:
-        if max_tokens and bucket <= max_tokens < bucket + HIST_BUCKET_TOKENS:
-            return max_tokens
-        return bucket
-
-    out, seen = {"count": total}, 0
-    targets = {"p50": 50, "p90": 90, "p99": 99}
-    for bucket in sorted(hist):
-        seen += hist[bucket]
-        for name, q in list(targets.items()):
-            if seen >= math.ceil(q / 100 * total):
-                out[name] = value(bucket)
-                del targets[name]
-    out["max"] = value(max(hist))
-    return {k: out[k] for k in ("count", "p50", "p90", "p99", "max")}
+    return {"count": total,
+            **{f"p{q}": length_percentile(hist, q / 100, max_tokens) for q in (50, 90, 99)},
+            "max": bucket_value(max(hist), max_tokens)}
 
 
 def sample_rows(r: redis.Redis, storage: Storage, job: str, n: int) -> list[dict]:

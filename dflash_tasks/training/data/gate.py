@@ -20,10 +20,10 @@ exits non-zero when it is not empty.
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from dflash_tasks.ledger.histogram import nearest_rank
 from dflash_tasks.training.data.tokens import Tokenized, is_truncated, row_thinking
 
 THINK_MARKERS = ("<think>", "</think>")
@@ -115,18 +115,6 @@ def _pct(part: int, whole: int) -> float:
     return round(100 * part / whole, 2) if whole else 0.0
 
 
-def _quantile(counts: Counter, q: float) -> int | None:
-    n = sum(counts.values())
-    if not n:
-        return None
-    rank, seen = max(1, math.ceil(q * n)), 0
-    for value in sorted(counts):
-        seen += counts[value]
-        if seen >= rank:
-            return value
-    return max(counts)
-
-
 @dataclass
 class Report:
     """Figures over a job's rows (the newest copy of each id)."""
@@ -204,8 +192,8 @@ class Report:
             "token_sources": dict(self.sources),
             "loss_tokens": {
                 "min": min(self.loss_all) if self.loss_all else None,
-                "p10": _quantile(self.loss_all, 0.10), "p50": _quantile(self.loss_all, 0.50),
-                "p90": _quantile(self.loss_all, 0.90), "max": max(self.loss_all) if self.loss_all else None,
+                "p10": nearest_rank(self.loss_all, 0.10), "p50": nearest_rank(self.loss_all, 0.50),
+                "p90": nearest_rank(self.loss_all, 0.90), "max": max(self.loss_all) if self.loss_all else None,
                 "most_common": value, "most_common_rows": count,
                 "most_common_pct": _pct(count, finished),
                 "distribution": self.distribution(),
