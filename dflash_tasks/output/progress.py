@@ -1,17 +1,27 @@
 """The run's state in figures, from counters only, so it costs the same at 1,000,000 prompts as
-at 1,000: one HGETALL of the job's counters (bounded: totals, finish reasons, histograms, per
-GPU), one HMGET of the rate buckets in the window, and a few O(1) reads. progress.json,
-`manage.py status` and the demo all print this one dictionary; docs/PROGRESS_AND_S3.md
-documents every field.
+at 1,000. progress.json, `manage.py status` and the demo all print this one dictionary;
+docs/PROGRESS_AND_S3.md documents every field.
 
-Where SGLang's `bench_serving` has a name for a figure, the figure carries that name too
+A snapshot is made in three steps:
+
+- `read`: the job, Redis's clock, the broker's waiting retries, then ONE transaction (MULTI)
+  whose results come back by name into `Reads`: the job's counters (bounded: totals, finish
+  reasons, histograms, per GPU), one HMGET of the rate buckets in the window, and a few O(1)
+  reads. The same commands at any size of job (tests/test_progress.py checks it).
+- compute: pure functions of `Reads` (rates over the window, percentiles, per-GPU views).
+- `render`: the dictionary, in its documented order.
+
+Where SGLang's `bench_serving` has a name for a figure, the figure carries that name
 (request_throughput, input_throughput, output_throughput, *_e2e_latency_ms), so a run can be set
-beside a benchmark of the same server.
+beside a benchmark of the same server; ALIASES says which figures carry two names, and why.
 """
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -19,41 +29,76 @@ from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import BEAT_SEEN, SERVERS, WORKERS, WORKERS_SEEN, JobKeys
 from dflash_tasks.core.settings import Settings
-from dflash_tasks.ledger import HIST_BUCKET_TOKENS
+from dflash_tasks.ledger.histogram import length_percentile, nearest_rank
 from dflash_tasks.output.batches import latency_bucket_ms
 
 RATE_BUCKET_S = 10  # the ledger's completion buckets (complete.lua)
 ALIVE_PERIODS = 3   # a GPU worker is alive while its heartbeat is under this many periods old
 
-
-def _int(raw: dict, key: str) -> int:
-    return int(raw.get(key, 0))
-
-
-def _percentile(hist: dict[int, int], q: float) -> int | None:
-    """The bucket holding the q-quantile of a histogram {bucket: count}."""
-    n = sum(hist.values())
-    if not n:
-        return None
-    rank, seen = q * n, 0
-    for bucket in sorted(hist):
-        seen += hist[bucket]
-        if seen >= rank:
-            return bucket
-    return max(hist)
+# The only figures written under two names, each pair in one place: the first name is the
+# seed's progress.json field (readers of progress.json were promised it), the second is SGLang
+# bench_serving's name for the same figure. `render` writes the first; `_aliased` adds the second
+# right after it, with the same value. Every other field is one figure under one name (a GPU's
+# view has no seed name for its rate: there request_throughput is the only name).
+ALIASES = {
+    "rate_per_sec": "request_throughput",
+    "output_tokens_per_sec": "output_throughput",
+}
 
 
-def _hist(c: dict[str, int], prefix: str) -> dict[int, int]:
-    return {int(key[len(prefix):]): v for key, v in c.items() if key.startswith(prefix) and v > 0}
+# -- read ----------------------------------------------------------------------------------------
+
+def rate_series(gpus: int) -> list[str]:
+    """The series complete.lua counts in the rate hash, each as "<series>:<bucket>": the job's
+    completions ("c"), output tokens ("t") and input tokens ("i"), and per GPU its completions
+    and output tokens ("g<N>:c", "g<N>:t")."""
+    return ["c", "t", "i", *(f"g{gpu}:{kind}" for gpu in range(gpus) for kind in ("c", "t"))]
 
 
 def rate_fields(bucket: int, gpus: int) -> list[str]:
     """Every field complete.lua writes into the rate hash for one bucket."""
-    return [f"c:{bucket}", f"t:{bucket}", f"i:{bucket}",
-            *(f"g{gpu}:{kind}:{bucket}" for gpu in range(gpus) for kind in ("c", "t"))]
+    return [f"{series}:{bucket}" for series in rate_series(gpus)]
 
 
-def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
+@dataclass(frozen=True, slots=True)
+class Reads:
+    """Everything one snapshot reads, decoded, by name."""
+    job: jobs.Job
+    now: float                       # Redis's clock, in seconds
+    window_start: int                # the first rate bucket of the window
+    window: dict[str, int]           # rate series (rate_series) -> its sum over the window
+    counters: dict[str, int]         # the job's counters hash
+    pending: int                     # prompts not yet dispatched
+    unsealed_rows: int               # rows in the output stream, not yet sealed into a batch
+    in_flight_set: list[int]         # per GPU: its in-flight set's size, retries waiting included
+    retry_waiting: list[int]         # per GPU: retries waiting for their ETA in a worker
+    workers: dict[str, dict]         # "gpuN" -> the worker's registration
+    heartbeats: dict[str, float]     # "gpuN" -> Redis time of the worker's last heartbeat
+    servers: dict[str, dict]         # "gpuN" -> its SGLang server's /metrics sample
+    beat_seen: float | None          # Redis time of beat's last tick
+    sealing_batch: str | None        # the batch being sealed
+    storage_error: dict[str, str]    # empty while storage works
+    quality: dict | None             # the quality monitor's last figures
+    updated_at: float                # the wall clock when read
+
+
+class _NamedMulti:
+    """A MULTI whose results come back by name, not by position."""
+
+    def __init__(self, r: redis.Redis):
+        self._pipe = r.pipeline(transaction=True)
+        self._names: list[Hashable] = []
+
+    def named(self, name: Hashable) -> redis.client.Pipeline:
+        """The pipeline, to queue the one command whose result `execute` returns as `name`."""
+        self._names.append(name)
+        return self._pipe
+
+    def execute(self) -> dict[Hashable, Any]:
+        return dict(zip(self._names, self._pipe.execute(), strict=True))
+
+
+def read(r: redis.Redis, name: str, s: Settings) -> Reads:
     job = jobs.load(r, name)
     if job is None:
         raise KeyError(f"no job named {name!r}")
@@ -61,154 +106,224 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
     seconds, micros = r.time()
     now = seconds + micros / 1e6
     window_start = now - s.rate_window_s
-    buckets = list(range(int(window_start - window_start % RATE_BUCKET_S), int(now) + 1, RATE_BUCKET_S))
-    nb = len(buckets)
-    rate_keys = ([f"c:{b}" for b in buckets] + [f"t:{b}" for b in buckets] + [f"i:{b}" for b in buckets]
-                 + [f"g{gpu}:{kind}:{b}" for gpu in range(job.gpus) for kind in ("c", "t") for b in buckets])
+    buckets = range(int(window_start - window_start % RATE_BUCKET_S), int(now) + 1, RATE_BUCKET_S)
+    series = rate_series(job.gpus)
+    rate_keys = [f"{one}:{bucket}" for one in series for bucket in buckets]
 
     # Retries waiting for their ETA are in flight too; which of them still are is read in the
     # same transaction as every count, so pending + in flight + waiting + completed + failed
     # equals the total at that instant (each ledger script is atomic).
     waiting_candidates = dispatch.waiting_retries(r, name)
-    pipe = r.pipeline(transaction=True)
-    pipe.hgetall(k.counters)
-    pipe.llen(k.pending)
-    pipe.xlen(k.output)
-    pipe.hmget(k.rate, rate_keys)
-    pipe.hgetall(WORKERS)
-    pipe.get(k.sealing)
-    pipe.hgetall(k.storage_error)
-    pipe.hgetall(WORKERS_SEEN)
-    pipe.hgetall(SERVERS)
-    pipe.get(BEAT_SEEN)
-    for gpu in range(job.gpus):
-        pipe.zcard(k.inflight(gpu))
     retrying_gpus = [g for g in range(job.gpus) if waiting_candidates.get(g)]
-    for gpu in retrying_gpus:
-        pipe.zmscore(k.inflight(gpu), waiting_candidates[gpu])
-    (counters_raw, pending, unsealed, rate_raw, workers_raw, sealing, storage_error, seen_raw,
-     servers_raw, beat_seen, *rest) = pipe.execute()
-    waiting = [0] * job.gpus
-    for gpu, scores in zip(retrying_gpus, rest[job.gpus:]):
-        waiting[gpu] = len({i for i, score in zip(waiting_candidates[gpu], scores) if score is not None})
-    inflight = [n - w for n, w in zip(rest[:job.gpus], waiting)]  # sent, or queued to be sent
-    servers = {key.decode(): json.loads(v) for key, v in servers_raw.items()}
-    seen = {key.decode(): float(v) for key, v in seen_raw.items()}
-
-    c = {key.decode(): int(v) for key, v in counters_raw.items()}
-    total, completed, failed = _int(c, "total"), _int(c, "completed"), _int(c, "failed")
-    in_tokens, out_tokens = _int(c, "input_tokens"), _int(c, "output_tokens")
-    rv = [int(v or 0) for v in rate_raw]
-
-    def window_sum(i: int) -> int:  # the i-th run of nb bucket values in rate_keys
-        return sum(rv[i * nb:(i + 1) * nb])
-
-    first_done = c.get("first_completed_at")
-    span = now - max(buckets[0], first_done - first_done % RATE_BUCKET_S) if first_done else 0.0
-
-    def per_s(count: int) -> float:
-        return count / span if span > 0 else 0.0
-
-    rate = per_s(window_sum(0))
-    out_rate, in_rate = per_s(window_sum(1)), per_s(window_sum(2))
-    remaining = max(0, total - completed - failed)
-    finish_reasons = {key.split(":", 1)[1]: v for key, v in c.items() if key.startswith("finish:")}
-    workers = {key.decode(): json.loads(v) for key, v in workers_raw.items()}
-
-    out_hist = _hist(c, "hist:")
-    lat_hist = _hist(c, "lat:")
-    lat_n = _int(c, "latency_n")
-
-    def lat_pct(q: float) -> float | None:
-        b = _percentile(lat_hist, q)
-        return round(latency_bucket_ms(b), 1) if b is not None else None
-
-    def out_pct(q: float) -> int | None:
-        b = _percentile(out_hist, q)
-        # As `manage.py stats` reports them: a bucket's lower edge, or the cap for the bucket
-        # holding the cap (truncated outputs are exactly the cap).
-        if b is None:
-            return None
-        cap = job.params.max_tokens
-        return cap if b <= cap < b + HIST_BUCKET_TOKENS else b
-
-    err = {key.decode(): v.decode() for key, v in storage_error.items()}
-    gpus = {}
+    multi = _NamedMulti(r)
+    multi.named("counters").hgetall(k.counters)
+    multi.named("pending").llen(k.pending)
+    multi.named("unsealed").xlen(k.output)
+    multi.named("rate").hmget(k.rate, rate_keys)
+    multi.named("workers").hgetall(WORKERS)
+    multi.named("sealing").get(k.sealing)
+    multi.named("storage_error").hgetall(k.storage_error)
+    multi.named("heartbeats").hgetall(WORKERS_SEEN)
+    multi.named("servers").hgetall(SERVERS)
+    multi.named("beat_seen").get(BEAT_SEEN)
     for gpu in range(job.gpus):
-        base = 3 + 2 * gpu
-        g_rate, g_tokens = per_s(window_sum(base)), per_s(window_sum(base + 1))
-        beat = seen.get(f"gpu{gpu}")
-        age = round(now - beat, 1) if beat is not None else None
-        gpus[f"gpu{gpu}"] = {
-            "completed": _int(c, f"gpu:{gpu}:completed"),
-            "output_tokens": _int(c, f"gpu:{gpu}:output_tokens"),
-            "request_throughput": round(g_rate, 3),
-            "output_tokens_per_sec": round(g_tokens, 1),
-            "output_throughput": round(g_tokens, 1),
-            "in_flight": inflight[gpu],
-            "retry_waiting": waiting[gpu],
-            "retries": _int(c, f"gpu:{gpu}:retries"),
-            "worker": workers.get(f"gpu{gpu}", {}).get("hostname"),
-            "alive": age is not None and age < ALIVE_PERIODS * s.worker_heartbeat_s,
-            "heartbeat_age_s": age,
-            # The server's own view (its /metrics, sampled by the worker): running requests
-            # below its decode slots while prompts are pending means the slots are not full.
-            "server": _server_view(servers.get(f"gpu{gpu}"), now),
-        }
+        multi.named(("in_flight", gpu)).zcard(k.inflight(gpu))
+    for gpu in retrying_gpus:
+        multi.named(("waiting", gpu)).zmscore(k.inflight(gpu), waiting_candidates[gpu])
+    # The quality monitor's figures (training/data/monitor.py writes the key) at its last tick.
+    multi.named("quality").get(k.quality("figures"))
+    got = multi.execute()
 
-    return {
-        "job": name,
+    window = dict.fromkeys(series, 0)
+    for field, value in zip(rate_keys, got["rate"], strict=True):
+        window[field.rsplit(":", 1)[0]] += int(value or 0)
+    retry_waiting = [0] * job.gpus
+    for gpu in retrying_gpus:  # the candidates still in flight there
+        scores = got[("waiting", gpu)]
+        retry_waiting[gpu] = len({i for i, score in zip(waiting_candidates[gpu], scores)
+                                  if score is not None})
+    sealing, beat_seen, quality = got["sealing"], got["beat_seen"], got["quality"]
+    return Reads(
+        job=job,
+        now=now,
+        window_start=buckets[0],
+        window=window,
+        counters={key.decode(): int(v) for key, v in got["counters"].items()},
+        pending=got["pending"],
+        unsealed_rows=got["unsealed"],
+        in_flight_set=[got[("in_flight", gpu)] for gpu in range(job.gpus)],
+        retry_waiting=retry_waiting,
+        workers={key.decode(): json.loads(v) for key, v in got["workers"].items()},
+        heartbeats={key.decode(): float(v) for key, v in got["heartbeats"].items()},
+        servers={key.decode(): json.loads(v) for key, v in got["servers"].items()},
+        beat_seen=float(beat_seen) if beat_seen else None,
+        sealing_batch=json.loads(sealing)["name"] if sealing else None,
+        storage_error={key.decode(): v.decode() for key, v in got["storage_error"].items()},
+        quality=json.loads(quality) if quality else None,
+        updated_at=time.time(),
+    )
+
+
+# -- compute: pure functions of Reads -----------------------------------------------------------
+
+def count(reads: Reads, counter: str) -> int:
+    return reads.counters.get(counter, 0)
+
+
+def tally(reads: Reads, prefix: str) -> dict[str, int]:
+    """The counters "<prefix>:<name>" as {name: count} (finish reasons, retry reasons)."""
+    return {key.split(":", 1)[1]: v for key, v in reads.counters.items()
+            if key.startswith(f"{prefix}:")}
+
+
+def histogram(reads: Reads, prefix: str) -> dict[int, int]:
+    """The counters "<prefix><bucket>" that hold rows, as {bucket: rows}."""
+    return {int(key[len(prefix):]): v for key, v in reads.counters.items()
+            if key.startswith(prefix) and v > 0}
+
+
+def window_span(reads: Reads) -> float:
+    """The seconds the rate window covers: from its first bucket, or from the bucket of the
+    job's first completion when that is later, to now; 0 before the first completion."""
+    first = reads.counters.get("first_completed_at")
+    if not first:
+        return 0.0
+    return reads.now - max(reads.window_start, first - first % RATE_BUCKET_S)
+
+
+def per_second(reads: Reads, series: str) -> float:
+    """A rate series (rate_series) per second over the window."""
+    span = window_span(reads)
+    return reads.window[series] / span if span > 0 else 0.0
+
+
+def remaining(reads: Reads) -> int:
+    return max(0, count(reads, "total") - count(reads, "completed") - count(reads, "failed"))
+
+
+def in_flight(reads: Reads, gpu: int) -> int:
+    """Sent, or queued to be sent: the in-flight set less the retries waiting for their ETA."""
+    return reads.in_flight_set[gpu] - reads.retry_waiting[gpu]
+
+
+def output_percentile(reads: Reads, q: float) -> int | None:
+    """As `manage.py stats` reports it: a bucket's lower edge, or the cap for the bucket holding
+    the cap (truncated outputs are exactly the cap)."""
+    return length_percentile(histogram(reads, "hist:"), q, reads.job.params.max_tokens)
+
+
+def latency_percentile_ms(reads: Reads, q: float) -> float | None:
+    bucket = nearest_rank(histogram(reads, "lat:"), q)
+    return round(latency_bucket_ms(bucket), 1) if bucket is not None else None
+
+
+def heartbeat_age_s(reads: Reads, gpu: int) -> float | None:
+    beat = reads.heartbeats.get(f"gpu{gpu}")
+    return round(reads.now - beat, 1) if beat is not None else None
+
+
+def _share_pct(part: int, whole: int) -> float:
+    return round(100 * part / whole, 2) if whole else 0.0
+
+
+def _mean(total: int, n: int) -> float:
+    return round(total / n, 1) if n else 0.0
+
+
+# -- render --------------------------------------------------------------------------------------
+
+def _aliased(fields: dict) -> dict:
+    """fields with each ALIASES name added right after the figure it names."""
+    out = {}
+    for key, value in fields.items():
+        out[key] = value
+        if key in ALIASES:
+            out[ALIASES[key]] = value
+    return out
+
+
+def render_gpu(reads: Reads, gpu: int, s: Settings) -> dict:
+    age = heartbeat_age_s(reads, gpu)
+    return _aliased({
+        "completed": count(reads, f"gpu:{gpu}:completed"),
+        "output_tokens": count(reads, f"gpu:{gpu}:output_tokens"),
+        "request_throughput": round(per_second(reads, f"g{gpu}:c"), 3),
+        "output_tokens_per_sec": round(per_second(reads, f"g{gpu}:t"), 1),
+        "in_flight": in_flight(reads, gpu),
+        "retry_waiting": reads.retry_waiting[gpu],
+        "retries": count(reads, f"gpu:{gpu}:retries"),
+        "worker": reads.workers.get(f"gpu{gpu}", {}).get("hostname"),
+        "alive": age is not None and age < ALIVE_PERIODS * s.worker_heartbeat_s,
+        "heartbeat_age_s": age,
+        # The server's own view (its /metrics, sampled by the worker): running requests
+        # below its decode slots while prompts are pending means the slots are not full.
+        "server": _server_view(reads.servers.get(f"gpu{gpu}"), reads.now),
+    })
+
+
+def render(reads: Reads, s: Settings) -> dict:
+    job, now = reads.job, reads.now
+    completed, left = count(reads, "completed"), remaining(reads)
+    in_tokens, out_tokens = count(reads, "input_tokens"), count(reads, "output_tokens")
+    rate = per_second(reads, "c")
+    finish_reasons = tally(reads, "finish")
+    lat_n = count(reads, "latency_n")
+    err = reads.storage_error
+    return _aliased({
+        "job": job.name,
         "status": job.status,
-        "total": total,
+        "total": count(reads, "total"),
         "completed": completed,
-        "failed": failed,
-        "pending": pending,
-        "in_flight": sum(inflight),
-        "retry_waiting": sum(waiting),
-        "remaining": remaining,
-        "retries": _int(c, "retries"),
-        "retry_reasons": {key.split(":", 1)[1]: v for key, v in c.items() if key.startswith("retry:")},
+        "failed": count(reads, "failed"),
+        "pending": reads.pending,
+        "in_flight": sum(in_flight(reads, gpu) for gpu in range(job.gpus)),
+        "retry_waiting": sum(reads.retry_waiting),
+        "remaining": left,
+        "retries": count(reads, "retries"),
+        "retry_reasons": tally(reads, "retry"),
         "rate_per_sec": round(rate, 3),
-        "request_throughput": round(rate, 3),
-        "output_tokens_per_sec": round(out_rate, 1),
-        "output_throughput": round(out_rate, 1),
-        "input_throughput": round(in_rate, 1),
+        "output_tokens_per_sec": round(per_second(reads, "t"), 1),
+        "input_throughput": round(per_second(reads, "i"), 1),
         "rate_window_s": s.rate_window_s,
-        "eta_hours": round(remaining / rate / 3600, 3) if rate > 0 else None,
+        "eta_hours": round(left / rate / 3600, 3) if rate > 0 else None,
         "elapsed_hours": round((now - job.created_at) / 3600, 4),
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
-        "avg_input_tokens": round(in_tokens / completed, 1) if completed else 0.0,
-        "avg_output_tokens": round(out_tokens / completed, 1) if completed else 0.0,
-        "median_output_tokens": out_pct(0.5),
-        "p90_output_tokens": out_pct(0.9),
-        "short_output_pct": round(100 * out_hist.get(0, 0) / completed, 2) if completed else 0.0,
+        "avg_input_tokens": _mean(in_tokens, completed),
+        "avg_output_tokens": _mean(out_tokens, completed),
+        "median_output_tokens": output_percentile(reads, 0.5),
+        "p90_output_tokens": output_percentile(reads, 0.9),
+        "short_output_pct": _share_pct(histogram(reads, "hist:").get(0, 0), completed),
         "finish_reasons": finish_reasons,
-        "truncated_pct": round(100 * finish_reasons.get("length", 0) / completed, 2) if completed else 0.0,
-        "mean_e2e_latency_ms": round(_int(c, "latency_ms_sum") / lat_n, 1) if lat_n else None,
-        "median_e2e_latency_ms": lat_pct(0.5),
-        "p90_e2e_latency_ms": lat_pct(0.9),
-        "p99_e2e_latency_ms": lat_pct(0.99),
+        "truncated_pct": _share_pct(finish_reasons.get("length", 0), completed),
+        "mean_e2e_latency_ms": round(count(reads, "latency_ms_sum") / lat_n, 1) if lat_n else None,
+        "median_e2e_latency_ms": latency_percentile_ms(reads, 0.5),
+        "p90_e2e_latency_ms": latency_percentile_ms(reads, 0.9),
+        "p99_e2e_latency_ms": latency_percentile_ms(reads, 0.99),
         "latency_rows": lat_n,
-        "batches": _int(c, "batches"),
-        "batch_bytes": _int(c, "batch_bytes"),
-        "s3_uploaded": _int(c, "s3_uploaded"),
-        "s3_bytes": _int(c, "s3_bytes"),
+        "batches": count(reads, "batches"),
+        "batch_bytes": count(reads, "batch_bytes"),
+        "s3_uploaded": count(reads, "s3_uploaded"),
+        "s3_bytes": count(reads, "s3_bytes"),
         "s3_uri": s.s3_uri,
-        "unsealed_rows": unsealed,
-        "sealing_batch": json.loads(sealing)["name"] if sealing else None,
+        "unsealed_rows": reads.unsealed_rows,
+        "sealing_batch": reads.sealing_batch,
         "storage_error": ({"error": err.get("error"), "since": float(err.get("since", 0)),
                            "failures": int(err.get("failures", 0))} if err else None),
         "params": {"max_tokens": job.params.max_tokens, "temperature": job.params.temperature,
                    "top_p": job.params.top_p, "top_k": job.params.top_k,
                    "enable_thinking": job.params.enable_thinking},
-        "gpus": gpus,
+        "gpus": {f"gpu{gpu}": render_gpu(reads, gpu, s) for gpu in range(job.gpus)},
         # Seconds since beat's last tick (None: never). Without beat nothing is sealed, shipped
         # or marked done: `status` says so.
-        "beat_age_s": round(now - float(beat_seen), 1) if beat_seen else None,
-        "quality": _quality(r, name),
-        "updated_at": round(time.time(), 3),
-    }
+        "beat_age_s": round(now - reads.beat_seen, 1) if reads.beat_seen is not None else None,
+        "quality": reads.quality,
+        "updated_at": round(reads.updated_at, 3),
+    })
+
+
+def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
+    return render(read(r, name, s), s)
 
 
 def _server_view(sample: dict | None, now: float) -> dict | None:
@@ -250,10 +365,3 @@ def prune_rate(r: redis.Redis, name: str, gpus: int, keep_s: float) -> int:
     if cutoff > start:
         r.hset(k.rate, "pruned_before", cutoff)
     return deleted
-
-
-def _quality(r: redis.Redis, job: str) -> dict | None:
-    """The training-data figures beat's quality monitor (training/data/monitor.py, the key's
-    writer) stored at its last tick; None before its first sample. One GET."""
-    raw = r.get(JobKeys(job).quality("figures"))
-    return json.loads(raw) if raw else None
