@@ -39,3 +39,6 @@ def test_a_length_percentile_reports_the_cap_for_the_bucket_that_holds_it():
     assert histogram_percentiles(hist, cap) == {"count": 10, "p50": 64, "p90": 300, "p99": 300,
                                                 "max": 300}
     assert histogram_percentiles({}, cap) == {"count": 0, "p50": 0, "p90": 0, "p99": 0, "max": 0}
+    # A regenerate moves rows out of a bucket and leaves it at 0: no row is that long any more.
+    emptied = {0: 1, 64: 5, 256: 0}
+    assert histogram_percentiles(emptied, cap)["max"] == 64

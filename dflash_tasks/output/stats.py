@@ -48,7 +48,8 @@ def histogram_percentiles(hist: dict[int, int], max_tokens: int | None) -> dict:
         return {"count": 0, "p50": 0, "p90": 0, "p99": 0, "max": 0}
     return {"count": total,
             **{f"p{q}": length_percentile(hist, q / 100, max_tokens) for q in (50, 90, 99)},
-            "max": bucket_value(max(hist), max_tokens)}
+            # the highest bucket that still holds a row (a regenerate empties the ones it left)
+            "max": bucket_value(max(b for b, n in hist.items() if n > 0), max_tokens)}
 
 
 def sample_rows(r: redis.Redis, storage: Storage, job: str, n: int) -> list[dict]:
