@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from dflash_tasks.core import jobs
 from dflash_tasks.output.batches import (
     BadManifest,
     check_records,
@@ -136,8 +137,6 @@ def expected_completed(storage: Storage, job: str, r=None) -> tuple[int | None, 
     """(completed, where that figure comes from, job status): the ledger in Redis when it
     knows the job, else the progress.json beside the batches."""
     if r is not None:
-        from dflash_tasks.core import jobs
-
         try:
             found = jobs.load(r, job)
         except Exception:

@@ -40,8 +40,15 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from dflash_tasks.core.settings import get_settings
 from dflash_tasks.output.batches import progress_key, read_batch
-from dflash_tasks.output.storage import LocalStorage, Storage, StorageNotFound
+from dflash_tasks.output.storage import (
+    LocalStorage,
+    Storage,
+    StorageNotFound,
+    storage_at,
+    storage_for,
+)
 from dflash_tasks.training.data.gate import Rules, check_row
 from dflash_tasks.training.data.reader import (
     InvalidManifest,
@@ -101,15 +108,9 @@ class JobDataset(IterableDataset):
     def _storage(self) -> Storage:
         """The job's storage; a directory written by `manage.py export` works too."""
         if self.source is None:
-            from dflash_tasks.core.settings import get_settings
-            from dflash_tasks.output.storage import storage_for
-
             return storage_for(get_settings())
         if isinstance(self.source, (str, Path)):
             if str(self.source).startswith("s3://"):
-                from dflash_tasks.core.settings import get_settings
-                from dflash_tasks.output.storage import storage_at
-
                 return storage_at(str(self.source), get_settings())
             return LocalStorage(Path(self.source))
         return self.source

@@ -14,8 +14,14 @@ import socket
 import time
 
 from celery import bootsteps, signals
+from celery.worker.state import active_requests, reserved_requests
 
+from dflash_tasks import dispatch
+from dflash_tasks.core import jobs
+from dflash_tasks.core.connections import PersistenceError, check_persistence, redis_client
+from dflash_tasks.core.keys import WORKERS, queue_for
 from dflash_tasks.core.settings import get_settings, redact_url
+from dflash_tasks.sglang import SGLangClient
 from dflash_tasks.worker.breaker import publish_closed
 from dflash_tasks.worker.runtime import runtime
 
@@ -30,8 +36,6 @@ def gpus_consumed(app) -> list[int]:
 
 
 def _wait_for_servers(sender, instance, conf, **_):
-    from dflash_tasks.sglang import SGLangClient
-
     for gpu in gpus_consumed(instance.app):
         url = get_settings().sglang_url_for(gpu)
         client = SGLangClient(url)
@@ -53,9 +57,6 @@ def _wait_for_servers(sender, instance, conf, **_):
 
 
 def _register(gpu: int, concurrency: int, hostname: str, url: str) -> None:
-    from dflash_tasks.core.connections import redis_client
-    from dflash_tasks.core.keys import WORKERS, queue_for
-
     redis_client().hset(WORKERS, queue_for(gpu), json.dumps({
         "concurrency": concurrency, "hostname": hostname, "host": socket.gethostname(),
         "pid": os.getpid(), "url": redact_url(url), "started_at": time.time()}))
@@ -69,10 +70,6 @@ def _stop_reporting(**_):
 
 
 def _fill_queues(sender, **_):
-    from dflash_tasks import dispatch
-    from dflash_tasks.core import jobs
-    from dflash_tasks.core.connections import redis_client
-
     gpus = gpus_consumed(sender.app)
     r = redis_client()
     for name in jobs.names(r):
@@ -116,11 +113,6 @@ class RestoreOnConnect(bootsteps.StartStopStep):
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def start(self, c):
-        from celery.worker.state import active_requests, reserved_requests
-
-        from dflash_tasks import dispatch
-        from dflash_tasks.core.keys import queue_for
-
         queues = [queue_for(gpu) for gpu in gpus_consumed(c.app)]
         if not queues:
             return
@@ -146,8 +138,6 @@ def _quiet_httpx(**_):
 def _refuse_redis_without_persistence(sender=None, **_):
     """However the worker was launched: a Redis that persists nothing loses every prompt's
     state on a restart (connections.check_persistence)."""
-    from dflash_tasks.core.connections import PersistenceError, check_persistence, redis_client
-
     try:
         check_persistence(redis_client(), get_settings())
     except PersistenceError as exc:
