@@ -22,7 +22,8 @@ import redis
 from dflash_dev.local import LocalCluster, free_port, wait_for
 from dflash_tasks.core import jobs
 from dflash_tasks.core.settings import get_settings, redact_url
-from dflash_tasks.output.batches import manifest_key, progress_key, read_batch, read_manifest
+from dflash_tasks.output.batches import manifest_key, read_batch, read_manifest
+from dflash_tasks.output.progress import progress_key
 from dflash_tasks.output.storage import storage_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,7 +1,6 @@
 """What every command shares: consoles, and Redis and job look-ups that fail with a clear message."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -143,12 +142,12 @@ def chat_template_option(path: Path | None):
 
 def shipped_progress(storage, name: str) -> dict | None:
     """The progress.json beside the job's batches (None when there is none, or unreadable)."""
-    from dflash_tasks.output.batches import progress_key
+    from dflash_tasks.output.progress import read_progress
     from dflash_tasks.output.storage import StorageError
 
     try:
-        return json.loads(storage.get(progress_key(name)))
-    except (StorageError, ValueError):
+        return read_progress(storage, name)
+    except StorageError:
         return None
 
 

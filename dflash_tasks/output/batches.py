@@ -75,10 +75,6 @@ def manifest_key(job: str) -> str:
     return f"{job}/manifest.json"
 
 
-def progress_key(job: str) -> str:
-    return f"{job}/progress.json"
-
-
 def batch_name(first_entry_id: str) -> str:
     ms, seq = first_entry_id.split("-")
     return f"batch-{int(ms):013d}-{int(seq):04d}"

@@ -16,9 +16,9 @@ from dflash_tasks.output.batches import (
     BadManifest,
     check_records,
     manifest_key,
-    progress_key,
     verify_batch,
 )
+from dflash_tasks.output.progress import progress_key, read_progress
 from dflash_tasks.output.storage import LocalStorage, Storage, StorageNotFound
 
 _ID = re.compile(rb'^\{"id":("(?:[^"\\]|\\.)*")')
@@ -144,8 +144,7 @@ def expected_completed(storage: Storage, job: str, r=None) -> tuple[int | None, 
         if found is not None:
             completed = int(r.hget(found.keys.counters, "completed") or 0)
             return completed, "the ledger in Redis", found.status
-    try:
-        progress = json.loads(storage.get(progress_key(job)))
-        return int(progress["completed"]), storage.location(progress_key(job)), progress.get("status")
-    except (StorageNotFound, KeyError, ValueError):
+    progress = read_progress(storage, job)
+    if progress is None or not isinstance(progress.get("completed"), int):
         return None, None, None
+    return progress["completed"], storage.location(progress_key(job)), progress.get("status")

@@ -31,6 +31,7 @@ from dflash_tasks.core.keys import BEAT_SEEN, SERVERS, WORKERS, WORKERS_SEEN, Jo
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger.histogram import length_percentile, nearest_rank
 from dflash_tasks.output.batches import latency_bucket_ms
+from dflash_tasks.output.storage import Storage, StorageNotFound
 
 RATE_BUCKET_S = 10  # the ledger's completion buckets (complete.lua)
 ALIVE_PERIODS = 3   # a GPU worker is alive while its heartbeat is under this many periods old
@@ -365,3 +366,25 @@ def prune_rate(r: redis.Redis, name: str, gpus: int, keep_s: float) -> int:
     if cutoff > start:
         r.hset(k.rate, "pruned_before", cutoff)
     return deleted
+
+
+# -- the file ------------------------------------------------------------------------------------
+
+def progress_key(job: str) -> str:
+    """Where the job's progress.json lies in a storage: beside its batches and manifest."""
+    return f"{job}/progress.json"
+
+
+def write_progress(storage: Storage, job: str, snap: dict) -> None:
+    storage.put(progress_key(job), json.dumps(snap, indent=1).encode())
+
+
+def read_progress(storage: Storage, job: str) -> dict | None:
+    """The job's progress.json; None when there is none or it is not one (not a JSON object).
+    A storage that does not answer raises StorageError: a reader that waits for the job must not
+    take an outage for a missing file."""
+    try:
+        snap = json.loads(storage.get(progress_key(job)))
+    except (StorageNotFound, ValueError):
+        return None
+    return snap if isinstance(snap, dict) else None

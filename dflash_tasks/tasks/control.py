@@ -4,7 +4,6 @@ GPU's window full, re-dispatch lost prompts and move the prompts of a GPU whose 
 (maintain)."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -15,8 +14,8 @@ from dflash_tasks.core.keys import BEAT_SEEN, MAINTAIN_TASK, TICK_TASK, JobKeys
 from dflash_tasks.core.locks import HeldLock, LockLost
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.ledger import shared_ledger
-from dflash_tasks.output.batches import BatchPolicy, BatchWriter, progress_key
-from dflash_tasks.output.progress import is_finished, prune_rate, snapshot
+from dflash_tasks.output.batches import BatchPolicy, BatchWriter
+from dflash_tasks.output.progress import is_finished, prune_rate, snapshot, write_progress
 from dflash_tasks.output.storage import LocalStorage, StorageError, storage_for
 from dflash_tasks.tasks.app import app
 from dflash_tasks.training.data.monitor import sample_quality
@@ -81,14 +80,13 @@ def _write_progress(r, s, name: str, storage, snap: dict) -> bool:
     """progress.json in the output directory, and beside the batches when they go to S3 (not
     while storage fails with rows waiting: the error is in the local copy). True when a copy is
     where the batches are."""
-    body = json.dumps(snap, indent=1).encode()
-    LocalStorage(s.output_dir).put(progress_key(name), body)
+    write_progress(LocalStorage(s.output_dir), name, snap)
     if not getattr(storage, "is_remote", False):
         return True
     if snap["storage_error"] and snap["unsealed_rows"]:
         return False
     try:
-        storage.put(progress_key(name), body)
+        write_progress(storage, name, snap)
     except StorageError as exc:
         _storage_state(r, name, exc, snap["unsealed_rows"])
         return False

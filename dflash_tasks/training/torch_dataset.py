@@ -29,7 +29,6 @@ train from `manage.py export --format specforge-tokenized` (or read with
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -41,11 +40,11 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from dflash_tasks.core.settings import get_settings
-from dflash_tasks.output.batches import progress_key, read_batch
+from dflash_tasks.output.batches import read_batch
+from dflash_tasks.output.progress import read_progress
 from dflash_tasks.output.storage import (
     LocalStorage,
     Storage,
-    StorageNotFound,
     storage_at,
     storage_for,
 )
@@ -137,10 +136,7 @@ class JobDataset(IterableDataset):
     # -- reading ---------------------------------------------------------------------------------
 
     def _progress(self, storage: Storage) -> dict | None:
-        try:
-            return json.loads(storage.get(progress_key(self.job)))
-        except (StorageNotFound, ValueError):
-            return None
+        return read_progress(storage, self.job)
 
     def _records(self, storage: Storage) -> list[dict]:
         try:

@@ -14,7 +14,6 @@ back to the queue (the trainer resumes from its checkpoint on the next worker).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
@@ -29,7 +28,7 @@ import redis
 
 from dflash_tasks.core.keys import check_job_name
 from dflash_tasks.core.settings import Settings
-from dflash_tasks.output.batches import progress_key
+from dflash_tasks.output.progress import read_progress
 from dflash_tasks.output.storage import S3Storage, StorageError, storage_for
 from dflash_tasks.training.data.reader import NoManifest, job_storage
 from dflash_tasks.training.queue import checkpoints, runs, spec
@@ -383,8 +382,8 @@ class RunSession:
 
     def _progress(self) -> dict | None:
         try:
-            return json.loads(self._job_storage().get(progress_key(self.run.job)))
-        except (StorageError, ValueError):
+            return read_progress(self._job_storage(), self.run.job)
+        except StorageError:
             return None
 
 
