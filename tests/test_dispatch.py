@@ -17,8 +17,6 @@ def dispatch(redis_url, monkeypatch):
     monkeypatch.setenv("DFLASH_REDIS_URL", redis_url)
     for cached in (settings.get_settings, connections.redis_client, ledger.shared_ledger):
         cached.cache_clear()
-    dispatch._capacity_cache.clear()
-    dispatch._gpus_cache.clear()
     yield dispatch
     for cached in (settings.get_settings, connections.redis_client, ledger.shared_ledger):
         cached.cache_clear()
@@ -111,7 +109,6 @@ def test_a_gpu_the_job_no_longer_uses_takes_nothing(redis_url, dispatch):
     assert dispatch.topup(app, "fewer", 1) == 6
     jobs.save(r, "fewer", jobs.GenerationParams(), gpus=1, dataset="-", status="running")
     dispatch.withdraw(r, "fewer", 1, everything=True)
-    dispatch._gpus_cache.clear()
     assert dispatch.topup(app, "fewer", 1) == 0
     assert r.zcard("dflash:{fewer}:inflight:1") == 0 and r.llen("gpu1") == 0
     assert dispatch.topup(app, "fewer", 0) == 6

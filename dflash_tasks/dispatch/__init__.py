@@ -22,20 +22,13 @@ from dflash_tasks.ledger import shared_ledger
 
 UNACKED = "unacked"   # kombu's Redis transport: delivered, not yet acknowledged messages
 log = logging.getLogger(__name__)
-_CAPACITY_TTL_S = 30.0
-_capacity_cache: dict[int, tuple[float, int]] = {}
 
 
 def worker_concurrency(gpu: int) -> int:
-    """The concurrency the GPU's worker registered at start-up (cached briefly)."""
-    now = time.monotonic()
-    cached = _capacity_cache.get(gpu)
-    if cached and now - cached[0] < _CAPACITY_TTL_S:
-        return cached[1]
+    """The concurrency the GPU's worker registered at start-up (one HGET: a refill follows a
+    request of seconds, and a worker restarted with another concurrency counts at once)."""
     raw = redis_client().hget(WORKERS, queue_for(gpu))
-    concurrency = json.loads(raw)["concurrency"] if raw else get_settings().default_concurrency
-    _capacity_cache[gpu] = (now, concurrency)
-    return concurrency
+    return json.loads(raw)["concurrency"] if raw else get_settings().default_concurrency
 
 
 def window_for(gpu: int) -> int:
@@ -63,18 +56,9 @@ def topup(app: Celery, job: str, gpu: int) -> int:
     return len(ids)
 
 
-_gpus_cache: dict[str, tuple[float, int]] = {}
-
-
 def job_gpus(job: str) -> int:
-    """How many GPU queues the job uses (cached briefly, like the worker concurrency)."""
-    now = time.monotonic()
-    cached = _gpus_cache.get(job)
-    if cached and now - cached[0] < _CAPACITY_TTL_S:
-        return cached[1]
-    gpus = int(redis_client().hget(JobKeys(job).config, "gpus") or 1)
-    _gpus_cache[job] = (now, gpus)
-    return gpus
+    """How many GPU queues the job uses (one HGET, like the worker concurrency)."""
+    return int(redis_client().hget(JobKeys(job).config, "gpus") or 1)
 
 
 @lru_cache(maxsize=1)
@@ -118,7 +102,8 @@ def _remove_queued(r: redis.Redis, job: str, gpu: int, only: set[str] | None = N
     return removed
 
 
-def reap(app: Celery, job: str, gpu: int, older_than_s: float) -> int:
+def reap(app: Celery, job: str, gpu: int, older_than_s: float,
+         unacked: "UnackedLook | None" = None) -> int:
     """Dispatch again the prompts in flight on `gpu` whose message is gone; returns how many.
 
     Two ways to be gone: (1) in flight for `older_than_s` (a broker restart without persistence
@@ -132,18 +117,20 @@ def reap(app: Celery, job: str, gpu: int, older_than_s: float) -> int:
     key = JobKeys(job).inflight(gpu)
     now = time.time()
     stale = {m.decode() for m in r.zrangebyscore(key, "-inf", now - older_than_s, start=0, num=10_000)}
-    lost = find_lost(r, job, gpu, get_settings().lost_message_grace_s) - stale
+    lost = find_lost(r, job, gpu, get_settings().lost_message_grace_s,
+                     unacked or UnackedLook(r)) - stale
     if lost:
         log.warning("job %s gpu%d: %d prompt(s) in flight without a message anywhere "
                     "(a broker crash lost them); dispatching them again", job, gpu, len(lost))
     again = sorted(stale | lost)
     if again:
-        r.zadd(key, {m: now for m in again}, xx=True)
+        shared_ledger().restamp_inflight(job, gpu, again, now)
         publish(app, job, gpu, again)
     return len(again)
 
 
-def find_lost(r: redis.Redis, job: str, gpu: int, grace_s: float) -> set[str]:
+def find_lost(r: redis.Redis, job: str, gpu: int, grace_s: float,
+              unacked: "UnackedLook") -> set[str]:
     """Ids in flight on `gpu` for `grace_s` or more whose task message is neither in the GPU's
     queue nor unacknowledged in any worker (ETA retries included), on two looks."""
     key = JobKeys(job).inflight(gpu)
@@ -151,29 +138,35 @@ def find_lost(r: redis.Redis, job: str, gpu: int, grace_s: float) -> set[str]:
     old = {m.decode() for m in r.zrangebyscore(key, "-inf", cutoff, start=0, num=10_000)}
     if not old:
         return set()
-    missing = old - messages_present(r, job, gpu)
+    missing = old - messages_present(r, job, gpu, unacked.ids())
     if not missing:
         return set()
     time.sleep(1.0)  # a message between BRPOP and its unacked record shows on the second look
-    missing -= messages_present(r, job, gpu, fresh=True)
+    missing -= messages_present(r, job, gpu, unacked.ids(fresh=True))
     if not missing:
         return set()
     scores = r.zmscore(key, sorted(missing))
     return {m for m, score in zip(sorted(missing), scores) if score is not None and score <= cutoff}
 
 
-_unacked_cache: tuple[float, set[tuple[str, str]]] = (0.0, set())
+class UnackedLook:
+    """The (job, prompt id) of every generate message the broker holds unacknowledged, read
+    once per look and shared by every GPU of a maintain run (one HSCAN of `unacked`, not one per
+    GPU and job); `fresh` reads it again."""
+
+    def __init__(self, r: redis.Redis):
+        self.r = r
+        self._ids: set[tuple[str, str]] | None = None
+
+    def ids(self, fresh: bool = False) -> set[tuple[str, str]]:
+        if fresh or self._ids is None:
+            self._ids = {_job_and_id(payload) for _, payload, _, _ in _unacked(self.r)}
+        return self._ids
 
 
-def messages_present(r: redis.Redis, job: str, gpu: int, fresh: bool = False) -> set[str]:
-    """Prompt ids of `job` with a generate message in queue gpuN or unacknowledged anywhere.
-    The unacknowledged set is read once for all GPUs of a maintain run (cached 5 s)."""
-    global _unacked_cache
+def messages_present(r: redis.Redis, job: str, gpu: int, unacked: set[tuple[str, str]]) -> set[str]:
+    """Prompt ids of `job` with a generate message in queue gpuN or among `unacked`."""
     present = {pid for j, pid in map(_job_and_id, r.lrange(queue_for(gpu), 0, -1)) if j == job}
-    at, unacked = _unacked_cache
-    if fresh or time.monotonic() - at > 5.0:
-        unacked = {_job_and_id(payload) for _, payload, _, _ in _unacked(r)}
-        _unacked_cache = (time.monotonic(), unacked)
     return present | {pid for j, pid in unacked if j == job}
 
 

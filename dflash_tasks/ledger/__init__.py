@@ -109,6 +109,12 @@ class Ledger:
     def drop_inflight(self, job: str, gpu: int, prompt_id: str) -> None:
         self.r.zrem(JobKeys(job).inflight(gpu), prompt_id)
 
+    def restamp_inflight(self, job: str, gpu: int, ids: Sequence[str], at: float) -> None:
+        """Dispatched again now (the reaper): their in-flight time restarts; an id that left the
+        set meanwhile (its outcome arrived) is not put back."""
+        if ids:
+            self.r.zadd(JobKeys(job).inflight(gpu), {i: at for i in ids}, xx=True)
+
     # -- outcomes --------------------------------------------------------------------------------
 
     def complete(self, job: str, prompt_id: str, gpu: int, row: dict, *, gpus: int,

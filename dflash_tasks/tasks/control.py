@@ -163,6 +163,7 @@ def tick() -> None:
 @app.task(name=MAINTAIN_TASK, ignore_result=True)
 def maintain() -> None:
     r, s = redis_client(), get_settings()
+    unacked = dispatch.UnackedLook(r)  # read once for every job and GPU of this run
 
     def keep_windows_full(job: jobs.Job) -> None:
         if job.status != "running":
@@ -180,7 +181,7 @@ def maintain() -> None:
                                 "back to pending for the other GPUs", job.name, gpu,
                                 s.worker_gone_after_s, back)
                 continue
-            reaped = dispatch.reap(app, job.name, gpu, s.reap_after_s)
+            reaped = dispatch.reap(app, job.name, gpu, s.reap_after_s, unacked)
             if reaped:
                 log.warning("job %s gpu%d: %d prompts dispatched again (no outcome after %ds)",
                             job.name, gpu, reaped, s.reap_after_s)
