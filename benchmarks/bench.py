@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import data, measure, report  # noqa: E402
-from dflash_dev.local import LocalCluster, free_port, wait_for  # noqa: E402
+from dflash_dev.local import LocalCluster, free_port, wait_until  # noqa: E402
 from dflash_tasks.core.keys import JobKeys  # noqa: E402
 
 CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path(tempfile.gettempdir()) / "dflash-bench"))
@@ -100,9 +100,9 @@ def makespan_case(cfg: Config, work: Path, name: str, dataset: Path, unit_times:
                             "--gpus", str(cfg.servers), "--max-output-tokens", str(cfg.max_tokens),
                             capture=True)
                 limit = 4 * measure.ideal_makespan(unit_times, [cfg.slots] * cfg.servers, slow) + 300
-                wait_for("the project's run", lambda: sum(
-                    int(r.hget(counters, f) or 0) for f in ("completed", "failed")) >= cfg.prompts,
-                    timeout=limit, interval=0.5)
+                wait_until(lambda: sum(int(r.hget(counters, f) or 0)
+                                       for f in ("completed", "failed")) >= cfg.prompts,
+                           timeout=limit, interval=0.5, what="the project's run")
                 baseline = json.loads(client.communicate(timeout=limit)[0])
             finally:
                 if client.poll() is None:
@@ -207,8 +207,8 @@ def overhead_case(cfg: Config, work: Path, dataset: Path) -> dict:
             time.sleep(0.1)
         completed_at = time.monotonic()
         meter.stop()
-        wait_for("the last rows sealed", lambda: r.hget(k.config, "status") == b"done",
-                 timeout=120, interval=0.2)
+        wait_until(lambda: r.hget(k.config, "status") == b"done", timeout=120, interval=0.2,
+                   what="the last rows sealed")
         sealed_at = time.monotonic()
         batches = int(r.hget(k.counters, "batches") or 0)
     n = cfg.overhead_prompts

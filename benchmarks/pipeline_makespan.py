@@ -20,7 +20,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_dev.local import LocalCluster, free_port, wait_for  # noqa: E402
+from dflash_dev.local import LocalCluster, free_port, wait_until  # noqa: E402
 from dflash_dev.sim.lengths import chat_plan, ideal_makespan, service_seconds  # noqa: E402
 
 SLOTS, GPUS, MAX_TOKENS = 40, 2, 8192
@@ -59,9 +59,9 @@ def main() -> None:
         started = time.time()
         c.manage("enqueue", "--dataset", str(dataset), "--job", "makespan", "--gpus", str(GPUS),
                  "--max-output-tokens", str(MAX_TOKENS), capture=True)
-        snap = wait_for("the job to finish", lambda: (
+        snap = wait_until(lambda: (
             s := json.loads(c.manage("status", "--job", "makespan", "--json", capture=True).stdout)
-        )["status"] == "done" and s, timeout=3600, interval=1.0)
+        )["status"] == "done" and s, timeout=3600, interval=1.0, what="the job to finish")
         stats = [httpx.get(url + "/sim/stats").json() for url in urls]
 
     first = min(s["first_request_at"] for s in stats)

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from dflash_dev.local import LocalCluster, free_port, wait_for
+from dflash_dev.local import LocalCluster, free_port, wait_until
 from dflash_tasks.core import jobs
 from dflash_tasks.core.settings import get_settings, redact_url
 from dflash_tasks.output.batches import manifest_key, read_batch, read_manifest
@@ -93,7 +93,8 @@ class Demo:
         self.cluster.spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
                                   "-p", str(port)])
         endpoint = f"http://127.0.0.1:{port}"
-        wait_for("the S3 server (moto)", lambda: httpx.get(endpoint + "/moto-api/").status_code < 500)
+        wait_until(lambda: httpx.get(endpoint + "/moto-api/").status_code < 500, timeout=60,
+                   what="the S3 server (moto)")
         for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
             os.environ.pop(name, None)  # no real credentials or endpoint near the demo server
             self.cluster.env.pop(name, None)
@@ -118,7 +119,7 @@ class Demo:
         print()
         self.cluster.manage("enqueue", "--dataset", str(DATASET), "--job", JOB, "--gpus", str(GPUS),
                             "--max-output-tokens", "8192", "--follow")
-        wait_for("the final batch", lambda: jobs.load(r, JOB).status == "done", timeout=120)
+        wait_until(lambda: jobs.load(r, JOB).status == "done", timeout=120, what="the final batch")
         self.report()
 
     def report(self) -> None:

@@ -1,15 +1,20 @@
 """Fixtures that start the real thing: Redis (a test database, or a server of the test's own),
-simulated SGLang servers, Celery workers and beat, each a subprocess with its own log."""
+simulated SGLang servers, Celery workers and beat (dflash_dev's LocalCluster), each a subprocess
+with its own log."""
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
-from support import Proc, free_port, python, wait_until
+from support import ROOT, Proc, free_port, python, wait_until
+
+from dflash_dev.local import LocalCluster
+from dflash_tasks.output.batches import read_batch, read_manifest
+from dflash_tasks.output.storage import LocalStorage
 
 
 @pytest.fixture(scope="session")
@@ -41,13 +46,15 @@ def redis_url(redis_server) -> str:
     r.flushdb()
 
 
-class Cluster:
-    """A one-machine deployment: N simulated servers, one pinned worker each, and beat."""
+class Cluster(LocalCluster):
+    """The tests' deployment: dflash_dev's LocalCluster on the tests' Redis, with settings that
+    make a run short (ticks every second, small batches, short retry waits), and the checks the
+    tests read it through."""
 
     def __init__(self, tmp: Path, redis_url: str, **settings: str):
         self.tmp = tmp
         self.output_dir = tmp / "output"
-        self.env = {
+        super().__init__(tmp / "logs", env={
             "DFLASH_REDIS_URL": redis_url,
             "DFLASH_OUTPUT_DIR": str(self.output_dir),
             "DFLASH_PROGRESS_INTERVAL_S": "1",
@@ -58,63 +65,13 @@ class Cluster:
             # A Redis the tests did not start (DFLASH_TEST_REDIS_URL) may persist nothing.
             **({"DFLASH_ALLOW_NO_PERSISTENCE": "1"} if os.environ.get("DFLASH_TEST_REDIS_URL") else {}),
             **{f"DFLASH_{k.upper()}": str(v) for k, v in settings.items()},
-        }
+        })
         self.r = redis.Redis.from_url(redis_url)
-        self.servers: dict[int, tuple[int, Proc]] = {}
-        self.workers: dict[int, Proc] = {}
-        self.beat: Proc | None = None
-        self.train_workers: list[Proc] = []
-        self._n = 0
-
-    def _log(self, name: str) -> Path:
-        self._n += 1
-        return self.tmp / "logs" / f"{self._n:02d}-{name}.log"
-
-    def start_server(self, gpu: int, *args: str, port: int | None = None) -> int:
-        port = port or free_port()
-        proc = Proc(python("-m", "dflash_dev.sim", "--port", str(port), *args),
-                    self._log(f"sim{gpu}"))
-        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200,
-                   timeout=30, what=f"simulated server gpu{gpu} on port {port}")
-        self.servers[gpu] = (port, proc)
-        return port
-
-    def url(self, gpu: int) -> str:
-        return f"http://127.0.0.1:{self.servers[gpu][0]}"
-
-    def start_worker(self, gpu: int, *args: str) -> Proc:
-        proc = Proc(python("manage.py", "worker", "--gpu", str(gpu), "--sglang-url", self.url(gpu),
-                           *args), self._log(f"worker{gpu}"), env=self.env)
-        wait_until(lambda: self.r.hexists("dflash:workers", f"gpu{gpu}") or not proc.alive(),
-                   timeout=60, what=f"worker gpu{gpu} to register")
-        assert proc.alive(), proc.log()
-        self.workers[gpu] = proc
-        return proc
-
-    def start_train_worker(self) -> Proc:
-        """The training worker (`worker --queue train`); ready once Celery says so in its log."""
-        proc = Proc(python("manage.py", "worker", "--queue", "train"), self._log("train-worker"),
-                    env=self.env)
-        wait_until(lambda: "ready." in proc.log() or not proc.alive(), timeout=60,
-                   what="the training worker to start")
-        assert proc.alive(), proc.log()
-        self.train_workers.append(proc)
-        return proc
-
-    def start_beat(self) -> Proc:
-        """Beat and its control worker; returns once that worker is ready, so a test that
-        enqueues next sees ticks from the start (on a loaded machine start-up takes seconds)."""
-        self.beat = Proc(python("manage.py", "beat"), self._log("beat"), env=self.env)
-        wait_until(lambda: "ready." in self.beat.log() or not self.beat.alive(), timeout=60,
-                   what="beat's control worker to start")
-        assert self.beat.alive(), self.beat.log()
-        return self.beat
 
     def manage(self, *args: str, check: bool = True):
-        import subprocess
-
-        result = subprocess.run(python("manage.py", *args), env={**os.environ, **self.env},
-                                capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+        """manage.py's result, its output captured; a failure (with check) shows both streams."""
+        result = subprocess.run(python("manage.py", *args), env=self.env, capture_output=True,
+                                text=True, timeout=300, cwd=ROOT)
         if check and result.returncode != 0:
             raise AssertionError(f"manage.py {' '.join(args)} failed ({result.returncode}):\n"
                                  f"{result.stdout}\n{result.stderr}")
@@ -128,17 +85,9 @@ class Cluster:
                           timeout=timeout, interval=0.5, what=f"job {job} to be done")
 
     def rows(self, job: str) -> list[dict]:
-        from dflash_tasks.output.batches import read_batch, read_manifest
-        from dflash_tasks.output.storage import LocalStorage
-
         storage = LocalStorage(self.output_dir)
         manifest = read_manifest(storage, job)
         return [row for record in manifest["batches"] for row in read_batch(storage, record)]
-
-    def stop(self) -> None:
-        for proc in [*self.train_workers, *self.workers.values(), *([self.beat] if self.beat else []),
-                     *(p for _, p in self.servers.values())]:
-            proc.stop()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_dev.local import LocalCluster, free_port, wait_for  # noqa: E402
+from dflash_dev.local import LocalCluster, free_port, wait_until  # noqa: E402
 
 README = ROOT / "README.md"
 MARKER = "<!-- output: tools/readme_story.py -->"
@@ -79,7 +79,8 @@ class Story:
 
     def settle(self, jobs: set[str]) -> None:
         for job in sorted(jobs):
-            wait_for(f"job {job} to finish", lambda: self.finished(job), timeout=300, interval=1)
+            wait_until(lambda: self.finished(job), timeout=300, interval=1,
+                       what=f"job {job} to finish")
 
 
 def main() -> int:
