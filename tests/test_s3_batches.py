@@ -21,7 +21,7 @@ from s3support import (
     s3_cluster,
     storage,
 )
-from support import wait_until
+from support import python, wait_until
 from test_pipeline import SIM_ARGS, dataset
 
 
@@ -123,8 +123,9 @@ def _rows_of(st, rec):
 # -- crash safety ----------------------------------------------------------------------------------
 
 def test_beat_killed_at_every_step_of_the_upload(cluster, moto, tmp_path):
-    """A beat that dies right after each step (os._exit at the named step: as abrupt as SIGKILL,
-    but at an exact point) leaves work the next beat finishes, with no row lost or doubled."""
+    """A beat that dies right after each step (tests/crashing_beat.py: os._exit right after the
+    call that ends the step, as abrupt as SIGKILL but at an exact point) leaves work the next beat
+    finishes, with no row lost or doubled."""
     c = s3_cluster(cluster, moto.url, batch_rows=100, lock_ttl_s=3)
     start(c, beat=False)
     path, ids = dataset(tmp_path, 400)
@@ -134,11 +135,10 @@ def test_beat_killed_at_every_step_of_the_upload(cluster, moto, tmp_path):
     k = "dflash:{crash}:"
 
     def beat_dies_at(step: str) -> None:
-        c.env["DFLASH_CRASH_AT"] = step
-        beat = c.start_beat()
+        beat = c.spawn(f"beat-crashing-{step}", python("tests/crashing_beat.py", step))
         wait_until(lambda: not beat.alive(), timeout=120, what=f"beat to crash {step}")
         beat.kill()  # the embedded scheduler is a child process that outlives os._exit: stop it
-        assert f"DFLASH_CRASH_AT={step}" in beat.log(), beat.log()[-3000:]
+        assert f"crashing_beat: exiting after {step}" in beat.log(), beat.log()[-3000:]
 
     def intent() -> dict | None:
         raw = c.r.get(k + "sealing")
@@ -170,7 +170,6 @@ def test_beat_killed_at_every_step_of_the_upload(cluster, moto, tmp_path):
     assert second != first and c.r.xlen(k + "output") == 300
     assert not st.exists(f"crash/batches/{second}.jsonl.zst")
 
-    del c.env["DFLASH_CRASH_AT"]
     c.start_beat()
     c.wait_done("crash")
     manifest, _ = assert_shipped_exactly_once(c, st, "crash", ids)

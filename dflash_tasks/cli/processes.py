@@ -13,10 +13,14 @@ from dflash_tasks.core.settings import get_settings, redact_url
 
 # -- processes ----------------------------------------------------------------------------------
 
+def celery_argv(args: list[str]) -> list[str]:
+    return ["celery", "-A", "dflash_tasks", *args]
+
+
 def _exec_celery(args: list[str]) -> None:
     """Replace this process with Celery's, so signals (TERM for a warm shutdown) reach it."""
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "celery", "-A", "dflash_tasks", *args])
+    os.execv(sys.executable, [sys.executable, "-m", *celery_argv(args)])
 
 
 class _OneRole(click.Command):
@@ -84,11 +88,16 @@ def worker(gpu: int | None, queue: str | None, sglang_url: str | None, concurren
 def beat(loglevel: str) -> None:
     """Celery beat with a small worker for its `control` queue (progress.json, batches, refills).
     Run one per deployment; a second one by mistake corrupts nothing (locks, idempotent ticks)."""
+    _exec_celery(beat_args(loglevel))
+
+
+def beat_args(loglevel: str = "INFO") -> list[str]:
+    """Celery's arguments for beat and its control worker."""
     schedule = get_settings().output_dir / "celerybeat-schedule"
     schedule.parent.mkdir(parents=True, exist_ok=True)
-    _exec_celery(["worker", "-B", "-s", str(schedule), "-Q", CONTROL_QUEUE, "-n", f"{CONTROL_QUEUE}@%h",
-                  "-P", "threads", "-c", "4", "-E", "--without-gossip", "--without-mingle",
-                  "--loglevel", loglevel])
+    return ["worker", "-B", "-s", str(schedule), "-Q", CONTROL_QUEUE, "-n", f"{CONTROL_QUEUE}@%h",
+            "-P", "threads", "-c", "4", "-E", "--without-gossip", "--without-mingle",
+            "--loglevel", loglevel]
 
 
 @click.command()

@@ -135,10 +135,6 @@ class Settings(BaseSettings):
     # `manage.py flower`'s basic auth: user:password[,user2:password2]. A secret: never logged.
     flower_basic_auth: SecretStr | None = None
 
-    # Fault injection for the crash-safety tests of batch sealing (output/batches.py): beat exits
-    # at this step. Never set in a deployment.
-    crash_at: str | None = None
-
     def training_dir(self) -> Path:
         return self.train_dir or self.output_dir / "training"
 

@@ -17,9 +17,8 @@ recorded, so the upload is skipped and steps 4 and 5 are redone (both idempotent
 While storage fails (S3 unreachable) step 2 raises StorageError, the intent stays, rows keep
 arriving in the stream, and the next tick tries the same batch again.
 
-Test-only: DFLASH_CRASH_AT=<step> (after_intent, after_upload, after_record, after_manifest,
-after_delete) makes the process `os._exit` right after that step, as abruptly as SIGKILL, so
-the tests can stop a real beat at an exact point between two steps. Never set it in production.
+tests/crashing_beat.py runs a real beat that exits, as abruptly as SIGKILL, right after a
+chosen step, from outside this module.
 """
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -38,22 +36,13 @@ import zstandard
 
 from dflash_tasks.core.keys import JobKeys
 from dflash_tasks.core.locks import HeldLock
-from dflash_tasks.core.settings import Settings, get_settings
+from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger import Ledger
 from dflash_tasks.output.storage import Storage
 
 log = logging.getLogger(__name__)
 
-CRASH_STEPS = ("after_intent", "after_upload", "after_record", "after_manifest", "after_delete")
 LATENCY_BUCKETS_PER_DECADE = 20  # e2e latency histogram in counters: "lat:<b>", b = 20*log10(ms)
-
-
-def _crash_point(step: str) -> None:
-    if get_settings().crash_at == step:
-        log.critical("DFLASH_CRASH_AT=%s: exiting now (test-only crash injection)", step)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os._exit(70)
 
 
 @dataclass(frozen=True)
@@ -141,7 +130,6 @@ class BatchWriter:
                 if not self.r.set(k.sealing, raw, nx=True):
                     log.warning("job %s: another writer's intent appeared; stopping", job)
                     break
-                _crash_point("after_intent")
                 written.append(self._seal(job, intent, raw, lock))
             return written
 
@@ -174,10 +162,8 @@ class BatchWriter:
             data, record, stats = self._build(job, name, [fields[b"row"] for _, fields in entries])
             lock.still_held()
             self.storage.put(record["key"], data)
-            _crash_point("after_upload")
             lock.still_held()
             self.book.record_batch(job, name, record, stats=stats)
-            _crash_point("after_record")
             recorded = True
             log.info("job %s: sealed %s (%d rows, %d bytes) at %s", job, name, record["rows"],
                      record["bytes"], record["location"])
@@ -187,11 +173,9 @@ class BatchWriter:
         if recorded:  # also after a crash between record and manifest: the mirror catches up
             lock.still_held()
             self.write_manifest(job)
-            _crash_point("after_manifest")
         if entries:  # one XDEL: the batch's rows leave the stream all together
             lock.still_held()
             self.r.xdel(k.output, *[entry_id for entry_id, _ in entries])
-            _crash_point("after_delete")
         self.book.clear_sealing(job, raw_intent)
         return name
 
