@@ -14,6 +14,7 @@ import io
 import os
 import tempfile
 import threading
+from functools import lru_cache
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -134,10 +135,7 @@ class S3Storage:
         uri = uri or s.s3_uri
         if not uri:
             raise ValueError("no S3 URI: set DFLASH_S3_URI=s3://bucket/prefix")
-        return cls(uri, multipart_threshold=s.s3_multipart_threshold_bytes,
-                   multipart_chunksize=s.s3_multipart_chunk_bytes,
-                   max_concurrency=s.s3_max_concurrency,
-                   connect_timeout_s=s.s3_connect_timeout_s, read_timeout_s=s.s3_read_timeout_s)
+        return _s3_for(uri, s)
 
     # -- the client ------------------------------------------------------------------------------
 
@@ -250,16 +248,17 @@ def storage_for(settings: Settings) -> Storage:
     return LocalStorage(settings.output_dir)
 
 
-_s3_cache: dict[str, S3Storage] = {}
-_s3_cache_lock = threading.Lock()
+def _s3_for(uri: str, s: Settings) -> S3Storage:
+    """One S3Storage (one client, one connection pool) per URI and S3 settings per process."""
+    return _s3_storage(uri, s.s3_multipart_threshold_bytes, s.s3_multipart_chunk_bytes,
+                       s.s3_max_concurrency, s.s3_connect_timeout_s, s.s3_read_timeout_s)
 
 
-def _s3_for(uri: str, settings: Settings) -> S3Storage:
-    """One S3Storage (one client, one connection pool) per URI per process."""
-    with _s3_cache_lock:
-        if uri not in _s3_cache:
-            _s3_cache[uri] = S3Storage.from_settings(settings, uri)
-        return _s3_cache[uri]
+@lru_cache(maxsize=16)
+def _s3_storage(uri: str, threshold: int, chunk: int, concurrency: int, connect_s: float,
+                read_s: float) -> S3Storage:
+    return S3Storage(uri, multipart_threshold=threshold, multipart_chunksize=chunk,
+                     max_concurrency=concurrency, connect_timeout_s=connect_s, read_timeout_s=read_s)
 
 
 def storage_at(where: str, settings: Settings) -> Storage:
