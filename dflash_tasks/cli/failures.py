@@ -62,10 +62,11 @@ def failed(name: str, as_json: bool, limit: int) -> None:
     """A job's failed registry, grouped by reason, with the retry counters and each GPU
     worker's circuit breaker."""
     from dflash_tasks.dispatch.failures import summary
+    from dflash_tasks.ledger import shared_ledger
 
     r = redis_or_fail()
     job_or_fail(r, name)
-    data = summary(r, name)
+    data = summary(shared_ledger(), name)
     if as_json:
         click.echo(json.dumps(data, indent=1, ensure_ascii=False))
         return
@@ -97,13 +98,15 @@ def failed(name: str, as_json: bool, limit: int) -> None:
 def retry_failed(name: str, reason: str | None, gpu: int | None, dry_run: bool, as_json: bool) -> None:
     """Dispatch failed prompts again. Each leaves the registry in the same atomic step that puts
     it back in the job's dispatch list, so running this twice never sends a prompt twice."""
+    from dflash_tasks.core.settings import get_settings
     from dflash_tasks.dispatch.failures import retry_failed as run
+    from dflash_tasks.ledger import shared_ledger
     from dflash_tasks.tasks.app import app
 
     r = redis_or_fail()
     job = job_or_fail(r, name)
     allowed_or_fail("retry-failed", job)
-    report = run(app, r, name, reason=reason, gpu=gpu, dry_run=dry_run)
+    report = run(app, shared_ledger(), get_settings(), name, reason=reason, gpu=gpu, dry_run=dry_run)
     if as_json:
         click.echo(json.dumps({"job": name, "dry_run": dry_run, **report.as_dict()}))
         return

@@ -45,12 +45,15 @@ def pause(name: str) -> None:
 def resume(name: str) -> None:
     """Dispatch the job's prompts again."""
     from dflash_tasks import dispatch
+    from dflash_tasks.core.settings import get_settings
+    from dflash_tasks.ledger import shared_ledger
     from dflash_tasks.tasks.app import app
 
     r = redis_or_fail()
     job = job_or_fail(r, name)
     change_state(r, "resume", job)
-    sent = sum(dispatch.topup(app, name, gpu) for gpu in range(job.gpus))
+    book, s = shared_ledger(), get_settings()
+    sent = sum(dispatch.topup(app, book, s, name, gpu) for gpu in range(job.gpus))
     console.print(f"job {name}: running ({sent} prompts dispatched now)")
 
 
@@ -61,10 +64,11 @@ def cancel(name: str) -> None:
     """Stop dispatching the job for good; rows already made are kept, and the prompts never
     generated stay counted (`resume` finishes them, `delete` removes the job)."""
     from dflash_tasks import dispatch
+    from dflash_tasks.ledger import shared_ledger
 
     r = redis_or_fail()
     change_state(r, "cancel", job_or_fail(r, name))
-    never = dispatch.withdraw_cancelled(r, name)
+    never = dispatch.withdraw_cancelled(shared_ledger(), name)
     console.print(f"job {name}: cancelled; {never:,} prompts were never generated "
                   f"(`manage.py resume --job {name}` generates them, `delete` removes the job)")
 

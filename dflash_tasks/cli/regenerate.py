@@ -78,7 +78,7 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
         jobs.transition(r, name, "done", "running")  # the lifecycle: a done job with work runs
     if reopened and jobs.load(r, name).status == "running":
         for gpu in range(job.gpus):
-            dispatch.topup(app, name, gpu)
+            dispatch.topup(app, book, get_settings(), name, gpu)
     if failure is not None:
         raise click.ClickException(
             f"{failure}; {reopened:,} prompts were queued again before it: run the same command "

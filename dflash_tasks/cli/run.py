@@ -68,7 +68,8 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
         jobs.save(r, name, params, gpus=gpus, dataset=str(dataset), status=lifecycle.LOADING)
     # Chunks are stored by a sender thread while the next ones are read; on a resume only the
     # prompts the job does not know yet are encoded and sent (loader.py).
-    loader = PromptLoader(r, shared_ledger(), name, resume=existing is not None)
+    book = shared_ledger()
+    loader = PromptLoader(r, book, name, resume=existing is not None)
     try:
         prompts = read_prompts(dataset, limit=limit, summary=summary)
         with Progress(SpinnerColumn(), TextColumn("[bold]reading {task.description}"),
@@ -100,12 +101,13 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
         else existing.status
     job = jobs.save(r, name, params, gpus=gpus, dataset=str(dataset), status=state)
     if existing is not None and gpus < existing.gpus:
-        back = sum(dispatch.withdraw(r, name, gpu, everything=True) for gpu in range(gpus, existing.gpus))
+        back = sum(dispatch.withdraw(book, name, gpu, everything=True)
+                   for gpu in range(gpus, existing.gpus))
         console.print(f"job {name}: now on gpu0..gpu{gpus - 1}; {back:,} prompts in flight on "
                       f"gpu{gpus}..gpu{existing.gpus - 1} went back to pending")
     if state == lifecycle.RUNNING:
         for gpu in range(gpus):
-            dispatch.topup(app, name, gpu)
+            dispatch.topup(app, book, get_settings(), name, gpu)
     elif existing is not None and existing.status == lifecycle.PAUSED:
         err_console.print(f"job {name} stays paused: `manage.py resume --job {name}` dispatches it")
     _print_enqueue_summary(r, job, summary, added, params, gpus)

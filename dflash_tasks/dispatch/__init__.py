@@ -15,24 +15,23 @@ import redis
 from celery import Celery
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.connections import redis_client
 from dflash_tasks.core.keys import GENERATE_TASK, WORKERS, WORKERS_SEEN, JobKeys, queue_for
-from dflash_tasks.core.settings import get_settings
-from dflash_tasks.ledger import shared_ledger
+from dflash_tasks.core.settings import Settings
+from dflash_tasks.ledger import Ledger
 
 UNACKED = "unacked"   # kombu's Redis transport: delivered, not yet acknowledged messages
 log = logging.getLogger(__name__)
 
 
-def worker_concurrency(gpu: int) -> int:
+def worker_concurrency(r: redis.Redis, s: Settings, gpu: int) -> int:
     """The concurrency the GPU's worker registered at start-up (one HGET: a refill follows a
     request of seconds, and a worker restarted with another concurrency counts at once)."""
-    raw = redis_client().hget(WORKERS, queue_for(gpu))
-    return json.loads(raw)["concurrency"] if raw else get_settings().default_concurrency
+    raw = r.hget(WORKERS, queue_for(gpu))
+    return json.loads(raw)["concurrency"] if raw else s.default_concurrency
 
 
-def window_for(gpu: int) -> int:
-    return max(1, math.ceil(worker_concurrency(gpu) * get_settings().window_factor))
+def window_for(r: redis.Redis, s: Settings, gpu: int) -> int:
+    return max(1, math.ceil(worker_concurrency(r, s, gpu) * s.window_factor))
 
 
 def publish(app: Celery, job: str, gpu: int, prompt_ids: list[str]) -> None:
@@ -44,21 +43,21 @@ def publish(app: Celery, job: str, gpu: int, prompt_ids: list[str]) -> None:
                           producer=producer)
 
 
-def topup(app: Celery, job: str, gpu: int) -> int:
+def topup(app: Celery, book: Ledger, s: Settings, job: str, gpu: int) -> int:
     """Fill gpu's window for job from pending; returns how many tasks were published.
 
     One round trip: take.lua moves the ids to the GPU's in-flight set and LPUSHes their Celery
     messages in the same call (no kombu publish, no task-sent event per refill). Once pending is
     empty, a GPU with an empty queue takes one waiting prompt from the longest other queue of the
     job (see take.lua): the end of a run is not spent waiting for the slowest GPU's backlog."""
-    ids = shared_ledger().take(job, gpu, window_for(gpu), gpus=job_gpus(job), task=GENERATE_TASK,
-                        origin=_origin(), reply_to=app.thread_oid)
+    ids = book.take(job, gpu, window_for(book.r, s, gpu), gpus=job_gpus(book.r, job),
+                    task=GENERATE_TASK, origin=_origin(), reply_to=app.thread_oid)
     return len(ids)
 
 
-def job_gpus(job: str) -> int:
+def job_gpus(r: redis.Redis, job: str) -> int:
     """How many GPU queues the job uses (one HGET, like the worker concurrency)."""
-    return int(redis_client().hget(JobKeys(job).config, "gpus") or 1)
+    return int(r.hget(JobKeys(job).config, "gpus") or 1)
 
 
 @lru_cache(maxsize=1)
@@ -68,24 +67,23 @@ def _origin() -> str:
     return anon_nodename()
 
 
-def withdraw_cancelled(r: redis.Redis, name: str) -> int:
+def withdraw_cancelled(book: Ledger, name: str) -> int:
     """What follows a job's move to cancelled (after it: take.lua dispatches nothing from then
     on): its messages still queued are withdrawn, requests already running finish and are kept.
     The prompts not generated stay in the job, counted in its total, so `resume` finishes them
     all. Returns how many wait."""
-    job = jobs.load(r, name)
+    job = jobs.load(book.r, name)
     for gpu in range(job.gpus if job else 0):
-        withdraw(r, name, gpu, everything=False)
-    return int(r.llen(JobKeys(name).pending))
+        withdraw(book, name, gpu, everything=False)
+    return int(book.r.llen(JobKeys(name).pending))
 
 
-def withdraw(r: redis.Redis, job: str, gpu: int, *, everything: bool) -> int:
+def withdraw(book: Ledger, job: str, gpu: int, *, everything: bool) -> int:
     """Remove `job`'s queued messages from `gpu`'s queue and put their prompts back in front of
     pending; with `everything` (a GPU the job no longer uses), also the prompts whose messages a
     worker already holds. Requests already running finish either way (the ledger keeps one row).
     Returns how many prompts went back."""
-    withdrawn = _remove_queued(r, job, gpu)
-    book = shared_ledger()
+    withdrawn = _remove_queued(book.r, job, gpu)
     back = book.recall(job, gpu, withdrawn) if withdrawn else 0
     return back + (book.recall(job, gpu) if everything else 0)
 
@@ -102,29 +100,29 @@ def _remove_queued(r: redis.Redis, job: str, gpu: int, only: set[str] | None = N
     return removed
 
 
-def reap(app: Celery, job: str, gpu: int, older_than_s: float,
+def reap(app: Celery, book: Ledger, s: Settings, job: str, gpu: int,
          unacked: "UnackedLook | None" = None) -> int:
     """Dispatch again the prompts in flight on `gpu` whose message is gone; returns how many.
 
-    Two ways to be gone: (1) in flight for `older_than_s` (a broker restart without persistence
+    Two ways to be gone: (1) in flight for `reap_after_s` (a broker restart without persistence
     loses every message); (2) in flight for `lost_message_grace_s` with no message for it in the
     GPU's queue nor among the broker's unacknowledged messages, on two looks a second apart. (2)
     happens even with persistence: a Redis crash between a worker's BRPOP and its write of the
     unacknowledged record, a BRPOP reply lost with the connection, a top-up whose publish failed
     after it took the ids. A copy that still exists somewhere is harmless: the ledger counts a
     prompt once."""
-    r = redis_client()
+    r = book.r
     key = JobKeys(job).inflight(gpu)
     now = time.time()
-    stale = {m.decode() for m in r.zrangebyscore(key, "-inf", now - older_than_s, start=0, num=10_000)}
-    lost = find_lost(r, job, gpu, get_settings().lost_message_grace_s,
-                     unacked or UnackedLook(r)) - stale
+    stale = {m.decode() for m in r.zrangebyscore(key, "-inf", now - s.reap_after_s, start=0,
+                                                 num=10_000)}
+    lost = find_lost(r, job, gpu, s.lost_message_grace_s, unacked or UnackedLook(r)) - stale
     if lost:
         log.warning("job %s gpu%d: %d prompt(s) in flight without a message anywhere "
                     "(a broker crash lost them); dispatching them again", job, gpu, len(lost))
     again = sorted(stale | lost)
     if again:
-        shared_ledger().restamp_inflight(job, gpu, again, now)
+        book.restamp_inflight(job, gpu, again, now)
         publish(app, job, gpu, again)
     return len(again)
 
@@ -197,7 +195,7 @@ def _job_and_id(entry) -> tuple[str, str]:
         return "", ""
 
 
-def restore_unheld(app: Celery, queues: list[str], held: set[str]) -> int:
+def restore_unheld(app: Celery, r: redis.Redis, queues: list[str], held: set[str]) -> int:
     """Put back in their queue the unacknowledged messages of `queues` whose delivery tag is not
     in `held` (what this worker is running now). A GPU worker calls it each time its consumer
     (re)connects: at start-up, what a killed predecessor held; after a Redis restart, its own
@@ -205,7 +203,7 @@ def restore_unheld(app: Celery, queues: list[str], held: set[str]) -> int:
     come back now instead of after the visibility timeout (hours). One worker consumes a GPU
     queue, so nobody else can hold them; a copy that is in fact still running somewhere is
     harmless (the ledger records a prompt once). Returns how many were restored."""
-    tags = [tag for tag, _, exchange, routing_key in _unacked(redis_client())
+    tags = [tag for tag, _, exchange, routing_key in _unacked(r)
             if (routing_key in queues or exchange in queues) and tag not in held]
     if not tags:
         return 0
@@ -251,15 +249,15 @@ def gone_gpus(r: redis.Redis, gpus: range, after_s: float) -> set[int]:
     return {g for g, stamp in zip(gpus, stamps) if stamp is None or now - float(stamp) > after_s}
 
 
-def drain_gone(r: redis.Redis, job: str, gpu: int, older_than_s: float) -> int:
+def drain_gone(book: Ledger, job: str, gpu: int, older_than_s: float) -> int:
     """A GPU whose worker is gone (no heartbeat for `older_than_s`, or none ever): put the prompts
     dispatched to it more than `older_than_s` ago back in front of pending, withdrawing their
     queued messages, so the job's other GPUs generate them. A message the dead worker still held
     comes back with it, finds its prompt no longer in flight there, and is skipped. Returns how
     many went back."""
     key = JobKeys(job).inflight(gpu)
-    old = {m.decode() for m in r.zrangebyscore(key, "-inf", time.time() - older_than_s)}
+    old = {m.decode() for m in book.r.zrangebyscore(key, "-inf", time.time() - older_than_s)}
     if not old:
         return 0
-    _remove_queued(r, job, gpu, only=old)
-    return shared_ledger().recall(job, gpu, sorted(old))
+    _remove_queued(book.r, job, gpu, only=old)
+    return book.recall(job, gpu, sorted(old))

@@ -25,7 +25,8 @@ from celery import Celery
 from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import BREAKERS, JobKeys
-from dflash_tasks.ledger import shared_ledger
+from dflash_tasks.core.settings import Settings
+from dflash_tasks.ledger import Ledger
 from dflash_tasks.sglang import PERMANENT_REASONS, TRANSIENT_REASONS
 
 CHUNK = 500
@@ -47,10 +48,10 @@ def matches(record: dict, reason: str | None, gpu: int | None) -> bool:
     return reason in (record.get("reason"), record_class(record))
 
 
-def read(r: redis.Redis, job: str) -> list[tuple[str, str, dict]]:
+def read(book: Ledger, job: str) -> list[tuple[str, str, dict]]:
     """Every registry entry as (id, raw JSON, parsed record with `failures` added)."""
     entries = []
-    for prompt_id, raw in shared_ledger().failed_records(job):
+    for prompt_id, raw in book.failed_records(job):
         try:
             record = json.loads(raw)
         except ValueError:
@@ -58,15 +59,15 @@ def read(r: redis.Redis, job: str) -> list[tuple[str, str, dict]]:
         record.setdefault("id", prompt_id)
         entries.append((prompt_id, raw, record))
     if entries:
-        times = r.hmget(JobKeys(job).failures, [e[0] for e in entries])
+        times = book.r.hmget(JobKeys(job).failures, [e[0] for e in entries])
         for (_, _, record), n in zip(entries, times):
             record["failures"] = int(n) if n else 1
     return entries
 
 
-def summary(r: redis.Redis, job: str) -> dict:
+def summary(book: Ledger, job: str) -> dict:
     """The registry grouped by reason, plus the retry counters and the breakers' states."""
-    entries = read(r, job)
+    entries = read(book, job)
     groups: dict[str, list[dict]] = defaultdict(list)
     for _, _, record in entries:
         groups[record.get("reason", "unknown")].append(record)
@@ -81,7 +82,7 @@ def summary(r: redis.Redis, job: str) -> dict:
             "errors": [{"error": e, "count": n} for e, n in errors.most_common(5)],
             "prompts": records,
         }
-    counters = shared_ledger().counters(job)
+    counters = book.counters(job)
     retries = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("retry:")}
     return {
         "job": job,
@@ -92,7 +93,7 @@ def summary(r: redis.Redis, job: str) -> dict:
         "retries": counters.get("retries", 0),
         "retries_by_reason": retries,
         "requeued": counters.get("requeued", 0),
-        "breakers": breakers(r),
+        "breakers": breakers(book.r),
     }
 
 
@@ -121,17 +122,17 @@ class RetryReport:
                 "status": self.status}
 
 
-def retry_failed(app: Celery, r: redis.Redis, job: str, *, reason: str | None = None,
+def retry_failed(app: Celery, book: Ledger, s: Settings, job: str, *, reason: str | None = None,
                  gpu: int | None = None, dry_run: bool = False) -> RetryReport:
+    r = book.r
     info = jobs.load(r, job)
     if info is None:
         raise KeyError(f"no job named {job!r}")
     report = RetryReport(status=info.status)
     selected: dict[str, list[tuple[str, str]]] = defaultdict(list)
-    for prompt_id, raw, record in read(r, job):
+    for prompt_id, raw, record in read(book, job):
         if matches(record, reason, gpu):
             selected[record.get("reason", "unknown")].append((prompt_id, raw))
-    book = shared_ledger()
     for why, items in sorted(selected.items()):
         if dry_run:
             report.by_reason[why] = len(items)
@@ -154,7 +155,7 @@ def retry_failed(app: Celery, r: redis.Redis, job: str, *, reason: str | None = 
             report.status = "running"  # the lifecycle: a done job with work again runs
         if report.status == "running":
             for g in range(info.gpus):
-                report.dispatched += dispatch.topup(app, job, g)
+                report.dispatched += dispatch.topup(app, book, s, job, g)
     return report
 
 

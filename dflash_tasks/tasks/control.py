@@ -163,6 +163,7 @@ def tick() -> None:
 @app.task(name=MAINTAIN_TASK, ignore_result=True)
 def maintain() -> None:
     r, s = redis_client(), get_settings()
+    book = shared_ledger()
     unacked = dispatch.UnackedLook(r)  # read once for every job and GPU of this run
 
     def keep_windows_full(job: jobs.Job) -> None:
@@ -174,17 +175,17 @@ def maintain() -> None:
             if gpu in gone:
                 # Nothing is sent to a GPU without a worker; what waits there moves to the GPUs
                 # that have one (when none has, it stays: the first worker back takes it).
-                back = dispatch.drain_gone(r, job.name, gpu, s.worker_gone_after_s) \
+                back = dispatch.drain_gone(book, job.name, gpu, s.worker_gone_after_s) \
                     if len(gone) < len(gpus) else 0
                 if back:
                     log.warning("job %s gpu%d: no worker for %ds; %d prompts in flight there went "
                                 "back to pending for the other GPUs", job.name, gpu,
                                 s.worker_gone_after_s, back)
                 continue
-            reaped = dispatch.reap(app, job.name, gpu, s.reap_after_s, unacked)
+            reaped = dispatch.reap(app, book, s, job.name, gpu, unacked)
             if reaped:
                 log.warning("job %s gpu%d: %d prompts dispatched again (no outcome after %ds)",
                             job.name, gpu, reaped, s.reap_after_s)
-            dispatch.topup(app, job.name, gpu)
+            dispatch.topup(app, book, s, job.name, gpu)
 
     _each_job(r, keep_windows_full)

@@ -36,7 +36,6 @@ from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.core.keys import GENERATE_TASK, queue_for
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.dispatch import job_gpus, topup
-from dflash_tasks.ledger import shared_ledger
 from dflash_tasks.output.rows import build_row
 from dflash_tasks.sglang import PermanentError, SGLangError, TransientError
 from dflash_tasks.sglang.continuation import continue_generation
@@ -93,7 +92,7 @@ def generate(self, job: str, prompt_id: str, gpu: int, tries: int = 0) -> dict:
 
 
 def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
-    book = shared_ledger()
+    book = runtime().book
     shutdown = runtime().shutdown
     if shutdown.requested():
         raise Reject("worker shutting down: prompt returned to its queue", requeue=True)
@@ -160,7 +159,7 @@ def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
     row = build_row(prompt_id, state.messages, completion, job=job, gpu=gpu, params=params,
                     attempts=attempt)
     recorded = durable("recording the row",
-                       lambda: book.complete(job, prompt_id, gpu, row, gpus=job_gpus(job)))
+                       lambda: book.complete(job, prompt_id, gpu, row, gpus=job_gpus(book.r, job)))
     return {"id": prompt_id, "finish_reason": completion.finish_reason,
             "completion_tokens": completion.completion_tokens, "attempts": attempt,
             **({} if recorded else {"skipped": "duplicate delivery"})}
@@ -170,7 +169,7 @@ def _refill(job: str, gpu: int) -> None:
     if runtime().shutdown.requested():
         return  # the next worker (or beat's maintain) refills; this one takes nothing new
     try:
-        topup(app, job, gpu)
+        topup(app, runtime().book, runtime().settings, job, gpu)
     except Exception as exc:  # Redis away: beat's maintain tops the window up within 10 s
         log.warning("gpu%d: could not top up job %s's window (%s)", gpu, job, exc)
 
@@ -187,7 +186,8 @@ def _record_failure(job: str, prompt_id: str, gpu: int, *, reason: str, klass: s
     record = {"id": prompt_id, "reason": reason, "class": klass, "error": error[:2000],
               "status": status, "attempts": attempts, "gpu": gpu, "at": round(time.time(), 3)}
     durable("recording a failure",
-            lambda: shared_ledger().fail(job, prompt_id, gpu, record, gpus=job_gpus(job)))
+            lambda: runtime().book.fail(job, prompt_id, gpu, record,
+                                        gpus=job_gpus(runtime().book.r, job)))
     log.warning("prompt %s failed (%s, %s) on gpu%d after %d attempt(s): %s", prompt_id, klass,
                 reason, gpu, attempts, error[:500])
     raise PromptFailed(f"{reason}: {error[:500]}")

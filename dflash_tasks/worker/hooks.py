@@ -18,9 +18,9 @@ from celery.worker.state import active_requests, reserved_requests
 
 from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
-from dflash_tasks.core.connections import PersistenceError, check_persistence, redis_client
+from dflash_tasks.core.connections import PersistenceError, check_persistence
 from dflash_tasks.core.keys import WORKERS, queue_for
-from dflash_tasks.core.settings import get_settings, redact_url
+from dflash_tasks.core.settings import redact_url
 from dflash_tasks.sglang import SGLangClient
 from dflash_tasks.worker.breaker import publish_closed
 from dflash_tasks.worker.runtime import runtime
@@ -37,13 +37,13 @@ def gpus_consumed(app) -> list[int]:
 
 def _wait_for_servers(sender, instance, conf, **_):
     for gpu in gpus_consumed(instance.app):
-        url = get_settings().sglang_url_for(gpu)
+        url = runtime().settings.sglang_url_for(gpu)
         client = SGLangClient(url)
         started = time.monotonic()
         next_warning = 0.0
         while not client.healthy():
             waited = time.monotonic() - started
-            if waited > get_settings().health_wait_s:
+            if waited > runtime().settings.health_wait_s:
                 log.error("gpu%d: %s still not healthy after %.0fs; taking work anyway",
                           gpu, redact_url(url), waited)
                 break
@@ -57,7 +57,7 @@ def _wait_for_servers(sender, instance, conf, **_):
 
 
 def _register(gpu: int, concurrency: int, hostname: str, url: str) -> None:
-    redis_client().hset(WORKERS, queue_for(gpu), json.dumps({
+    runtime().r.hset(WORKERS, queue_for(gpu), json.dumps({
         "concurrency": concurrency, "hostname": hostname, "host": socket.gethostname(),
         "pid": os.getpid(), "url": redact_url(url), "started_at": time.time()}))
     log.info("gpu%d: worker %s ready, concurrency %d, server %s", gpu, hostname, concurrency,
@@ -71,19 +71,19 @@ def _stop_reporting(**_):
 
 def _fill_queues(sender, **_):
     gpus = gpus_consumed(sender.app)
-    r = redis_client()
+    r = runtime().r
     for name in jobs.names(r):
         job = jobs.load(r, name)
         if job and job.status == "running":
             for gpu in gpus:
                 if gpu < job.gpus:
-                    dispatch.topup(sender.app, name, gpu)
+                    dispatch.topup(sender.app, runtime().book, runtime().settings, name, gpu)
 
 
 def _begin_shutdown(sig=None, how=None, **_):
     """Warm shutdown: tasks not yet sending hand their prompts back at once, requests in flight
     get shutdown_grace_s, then are aborted and handed back (shutdown.py)."""
-    runtime().shutdown.begin(get_settings().shutdown_grace_s if how == "Warm" else 0.0)
+    runtime().shutdown.begin(runtime().settings.shutdown_grace_s if how == "Warm" else 0.0)
 
 
 def _check_failure_settings(sender, instance, conf, **_):
@@ -92,7 +92,7 @@ def _check_failure_settings(sender, instance, conf, **_):
     harmless for the output, wasteful for the GPU)."""
     if not gpus_consumed(instance.app):
         return
-    s = get_settings()
+    s = runtime().settings
     if s.visibility_timeout_s < s.longest_unacked_s():
         log.warning("DFLASH_VISIBILITY_TIMEOUT_S=%d is shorter than the longest a prompt's message "
                     "can stay unacknowledged here (%.0fs: request timeout + retry wait + breaker "
@@ -119,7 +119,7 @@ class RestoreOnConnect(bootsteps.StartStopStep):
         held = {tag for request in (*tuple(active_requests), *tuple(reserved_requests))
                 if (tag := getattr(getattr(request, "message", None), "delivery_tag", None))}
         try:
-            restored = dispatch.restore_unheld(c.app, queues, held)
+            restored = dispatch.restore_unheld(c.app, runtime().r, queues, held)
         except Exception:  # never stop a reconnect: the visibility timeout still restores them
             log.exception("could not look for unacknowledged messages of %s", ", ".join(queues))
             return
@@ -139,7 +139,7 @@ def _refuse_redis_without_persistence(sender=None, **_):
     """However the worker was launched: a Redis that persists nothing loses every prompt's
     state on a restart (connections.check_persistence)."""
     try:
-        check_persistence(redis_client(), get_settings())
+        check_persistence(runtime().r, runtime().settings)
     except PersistenceError as exc:
         log.critical("%s", exc)
         raise SystemExit(2) from None
