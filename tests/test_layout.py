@@ -1,6 +1,7 @@
 """The layout's rules, checked: stages import only downwards (import-linter's contract in
 .importlinter), every Redis key string and Lua script stays with its owner, only the settings read
-DFLASH_* variables, and docs/ARCHITECTURE.md's key table names exactly the keys keys.py makes."""
+DFLASH_* variables, only the entry points reach for the process's Settings, Redis and Ledger, and
+docs/ARCHITECTURE.md's key table names exactly the keys keys.py makes."""
 from __future__ import annotations
 
 import ast
@@ -87,6 +88,28 @@ def test_only_the_settings_read_dflash_variables():
             if isinstance(name, ast.Constant) and str(name.value).startswith("DFLASH_"):
                 reads.append(f"{path}:{node.lineno}: {name.value}")
     assert not reads, "DFLASH_* read outside Settings:\n" + "\n".join(reads)
+
+
+# The process's accessors: only the entry points reach for them, and pass what they get down.
+ACCESSORS = {"get_settings", "redis_client", "shared_ledger", "runtime"}
+ENTRY_POINTS = ("dflash_tasks/tasks/", "dflash_tasks/cli/", "dflash_tasks/worker/hooks.py",
+                "dflash_tasks/worker/runtime.py",
+                # a library for training scripts: no source given means the deployment's storage
+                "dflash_tasks/training/torch_dataset.py")
+DEFINED_IN = ("dflash_tasks/core/settings.py", "dflash_tasks/core/connections.py",
+              "dflash_tasks/ledger/__init__.py")
+
+
+def test_only_the_entry_points_reach_for_the_process_accessors():
+    calls = []
+    for path, tree in modules("dflash_tasks"):
+        if path.startswith(ENTRY_POINTS) or path in DEFINED_IN:
+            continue
+        calls += [f"{path}:{node.lineno}: {node.func.id}()" for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ACCESSORS]
+    assert not calls, ("called below the entry points (take it as an argument instead):\n"
+                       + "\n".join(calls))
 
 
 # -- docs/ARCHITECTURE.md's key table --------------------------------------------------------------

@@ -15,6 +15,7 @@ from dflash_tasks.core.settings import get_settings
 from dflash_tasks.tasks.app import app
 from dflash_tasks.training.queue import launch, runs
 from dflash_tasks.training.queue.execute import RunSession
+from dflash_tasks.worker.runtime import runtime
 
 
 @app.task(name=TRAIN_TASK, bind=True, acks_late=False, track_started=True, ignore_result=False)
@@ -29,6 +30,7 @@ def train(self, run_name: str) -> dict:
             self.update_state(state="PROGRESS", meta=meta)
 
     session = RunSession(r, run, get_settings(), publish_state=publish_state,
+                         shutdown=runtime().shutdown,
                          hostname=self.request.hostname or "", task_id=self.request.id)
     return session.execute()
 

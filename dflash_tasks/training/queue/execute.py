@@ -34,7 +34,7 @@ from dflash_tasks.training.data.reader import NoManifest, job_storage
 from dflash_tasks.training.queue import checkpoints, runs, spec
 from dflash_tasks.training.queue.command import LogTail, run_command
 from dflash_tasks.training.reference.config import TrainConfig
-from dflash_tasks.worker.runtime import runtime
+from dflash_tasks.worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY_S = 2.0
@@ -53,8 +53,10 @@ class Stopped(Exception):
 
 class RunSession:
     def __init__(self, r: redis.Redis, run: runs.Run, settings: Settings, *,
-                 publish_state: Callable[[dict], None], hostname: str, task_id: str | None = None):
+                 publish_state: Callable[[dict], None], hostname: str, task_id: str | None = None,
+                 shutdown: Shutdown | None = None):
         self.r, self.run, self.s = r, run, settings
+        self.shutdown = shutdown or Shutdown()  # the worker's: a warm stop hands the run back
         self.name = run.name
         self.publish_state = publish_state
         # Owns the run while running: a task id, or a unique token when run outside Celery.
@@ -77,7 +79,7 @@ class RunSession:
 
     def execute(self) -> dict:
         # received while this worker stops: leave it to the next one
-        if runtime().shutdown.requested():
+        if self.shutdown.requested():
             runs.mark_unsent(self.r, self.name)
             return {"run": self.name, "status": runs.QUEUED, "started": False}
         if not runs.transition(self.r, self.name, (runs.QUEUED,), runs.RUNNING,
@@ -353,7 +355,7 @@ class RunSession:
         when another task owns the run now, else None; with raise_, raises Stopped instead of returning a reason."""
         if self._stop_reason is None:
             now = time.monotonic()
-            if runtime().shutdown.requested():
+            if self.shutdown.requested():
                 self._stop_reason = "shutdown"
             elif now - self._stop_checked >= STOP_CHECK_EVERY_S:
                 self._stop_checked = now
