@@ -90,6 +90,37 @@ def test_only_the_settings_read_dflash_variables():
     assert not reads, "DFLASH_* read outside Settings:\n" + "\n".join(reads)
 
 
+MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "deque", "Counter", "OrderedDict", "Lock",
+                 "RLock", "Event", "local", "Condition", "Semaphore"}
+STATE_ALLOWED = ("dflash_tasks/core/", "dflash_tasks/worker/runtime.py")
+
+
+def test_no_mutable_module_state_outside_core_and_the_worker_runtime():
+    """A module-level container is a constant table (an UPPER_CASE or dunder name, never
+    changed); nothing rebinds a module global."""
+    found = []
+    for path, tree in modules("dflash_tasks"):
+        found += [f"{path}:{n.lineno}: global {', '.join(n.names)}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Global)]
+        if path.startswith(STATE_ALLOWED):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp,
+                                         ast.SetComp)) or (
+                isinstance(value, ast.Call) and (getattr(value.func, "id", None) in MUTABLE_CALLS
+                                                 or getattr(value.func, "attr", None) in MUTABLE_CALLS))
+            names = [t.id for t in targets if isinstance(t, ast.Name)]
+            found += [f"{path}:{node.lineno}: {name}" for name in names if mutable
+                      and not (name.lstrip("_").isupper() or name.startswith("__"))]
+    assert not found, "mutable module-level state:\n" + "\n".join(found)
+
+
 # The process's accessors: only the entry points reach for them, and pass what they get down.
 ACCESSORS = {"get_settings", "redis_client", "shared_ledger", "runtime"}
 ENTRY_POINTS = ("dflash_tasks/tasks/", "dflash_tasks/cli/", "dflash_tasks/worker/hooks.py",
