@@ -6,19 +6,13 @@ from datetime import timedelta
 
 from dflash_tasks.core.keys import CONTROL_QUEUE, LAUNCH_TRAINING_TASK, MAINTAIN_TASK, TICK_TASK
 from dflash_tasks.core.settings import get_settings
-from dflash_tasks.worker import transport as _transport
 
 _s = get_settings()
 
 broker_url = _s.redis_url
 result_backend = _s.redis_url
-# kombu's Redis transport, except that a queue entry that is not a kombu message is logged and
-# dropped, and a lost Redis connection is reconnected, instead of either ending the worker
-# (dflash_tasks/worker/transport.py). Registered as the transport of redis:// (and rediss://) URLs
-# rather than named in broker_transport: the broker URL keeps its redis:// scheme for the tools
-# that read it (Flower's queue lengths), and kombu, which re-reads the transport from the URL's
-# scheme when it reconnects, keeps using it after a Redis restart.
-_transport.register()
+# The broker's transport is kombu's Redis transport with two fixes (dflash_tasks/worker/
+# transport.py), registered for redis:// URLs by dflash_tasks/tasks/app.py, not named here.
 include = ["dflash_tasks.tasks.generate", "dflash_tasks.tasks.control", "dflash_tasks.tasks.train"]
 
 # JSON only: a worker never unpickles what it reads from the broker. A message in another

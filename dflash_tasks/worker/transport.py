@@ -1,5 +1,5 @@
 """kombu's Redis transport with two fixes that keep a worker alive through what a day-long run
-meets. celeryconfig.py registers it for `redis://` URLs (see `register`).
+meets. dflash_tasks/tasks/app.py registers it for `redis://` URLs (see `register`).
 
 1. A queue entry that is not a kombu message at all (not JSON, JSON without kombu's envelope, a
    body that is not valid base64) is logged and dropped. kombu 5.7 decodes the envelope of an
