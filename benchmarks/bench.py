@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import data, measure, report  # noqa: E402
 from dflash_dev.local import LocalCluster, free_port, wait_until  # noqa: E402
-from dflash_tasks.core.keys import JobKeys  # noqa: E402
+from dflash_tasks.core.keys import JobKeys, queue_for  # noqa: E402
 
 CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path(tempfile.gettempdir()) / "dflash-bench"))
 
@@ -220,19 +220,19 @@ def overhead_case(cfg: Config, work: Path, dataset: Path) -> dict:
 
 # -- case 5 -------------------------------------------------------------------------------------
 
-def mark_done(r: redis.Redis, job: str, n: int, gpus: int) -> None:
+def mark_done(r: redis.Redis, job: str, n: int, gpus: list[str]) -> None:
     """Put the job in the state it has after n completions (rows sealed and gone): the first n
     prompts (the dispatched ones first) in `done`, out of `prompts`/`pending`/in-flight, counted,
     and the GPU queues drained."""
     k = JobKeys(job)
     marked = 0
-    for gpu in range(gpus):
+    for gpu in gpus:
         ids = [m for m, _ in r.zpopmin(k.inflight(gpu), 100_000)]
         if ids:
             r.sadd(k.done, *ids)
             r.hdel(k.prompts, *ids)
             marked += len(ids)
-        r.delete(f"gpu{gpu}")
+        r.delete(queue_for(gpu))
     while marked < n:
         ids = r.lpop(k.pending, min(10_000, n - marked))
         pipe = r.pipeline(transaction=False)
@@ -268,7 +268,7 @@ def scale_case(cfg: Config, work: Path) -> dict:
             [sys.executable, "-m", "benchmarks.probe", "--job", "scale"], cwd=ROOT, env=c.env,
             check=True, capture_output=True, text=True).stdout)
         log(f"case 5: marking {cfg.scale_done:,} done, then enqueueing again (the resume)")
-        mark_done(r, "scale", cfg.scale_done, cfg.servers)
+        mark_done(r, "scale", cfg.scale_done, [c.gpu(i) for i in range(cfg.servers)])
         t = time.monotonic()
         again = c.manage("enqueue", "--dataset", str(dataset), "--job", "scale", "--gpus",
                          str(cfg.servers), capture=True)

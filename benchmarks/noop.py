@@ -17,5 +17,5 @@ app.conf.update(task_serializer="json", accept_content=["json"], task_acks_late=
 
 
 @app.task(name="noop")
-def noop(job: str, prompt_id: str, gpu: int) -> None:
+def noop(job: str, prompt_id: str, gpu: str) -> None:
     return None

@@ -55,8 +55,8 @@ class Demo:
 
     def redis(self) -> redis.Redis:
         """A redis-server of the demo's own, on a free port, every time: whatever answers at
-        DFLASH_REDIS_URL may be a live deployment, whose workers would take the demo's gpu0/gpu1
-        queues and write simulated rows into its jobs. Its data starts empty and is removed
+        DFLASH_REDIS_URL may be a live deployment, whose workers would take the demo's GPU queues
+        and write simulated rows into its jobs. Its data starts empty and is removed
         afterwards, with the server."""
         if not shutil.which("redis-server"):
             raise SystemExit("demo: redis-server is not on the PATH (Debian: apt-get install "
@@ -79,7 +79,8 @@ class Demo:
     def workers(self) -> None:
         self.cluster.start_workers()
         self.cluster.start_beat()
-        print(f"Celery: workers gpu0..gpu{GPUS - 1} and beat started (logs in {self.cluster.logs})")
+        print(f"Celery: workers {self.cluster.gpu(0)}..{self.cluster.gpu(GPUS - 1)} and beat started "
+              f"(logs in {self.cluster.logs})")
 
     def s3(self) -> None:
         """Batches go to S3: the bucket DFLASH_S3_URI names (credentials and endpoint from

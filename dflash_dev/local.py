@@ -17,7 +17,7 @@ from typing import Callable, TypeVar
 import httpx
 import redis
 
-from dflash_tasks.core.keys import WORKERS, queue_for
+from dflash_tasks.core.keys import WORKERS, gpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -97,12 +97,14 @@ class Proc:
 class LocalCluster:
     """Processes started here, stopped together (workers and beat first, Redis last). Servers,
     workers and beat are kept by GPU (`servers`, `workers`, `beat`); every child by its log name
-    too (`named`: the benchmarks read their CPU times)."""
+    too (`named`: the benchmarks read their CPU times). Its GPUs are those of one node, `node`
+    ("local" unless DFLASH_NODE says otherwise): GPU I is `gpu(I)`, "gpuI@local"."""
 
     def __init__(self, logs: Path, env: dict[str, str] | None = None):
         self.logs = logs
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "DFLASH_NODE": "local", **(env or {})}
+        self.node = self.env["DFLASH_NODE"]
         self.children: list[Proc] = []
         self.named: dict[str, Proc] = {}
         self.servers: dict[int, tuple[int, Proc]] = {}  # gpu -> (port, server)
@@ -128,6 +130,10 @@ class LocalCluster:
         wait_until(redis.Redis.from_url(url).ping, what="redis-server")
         self.env["DFLASH_REDIS_URL"] = url
         return url
+
+    def gpu(self, index: int) -> str:
+        """The name of this node's GPU `index` (its queue, its worker, its key in progress.json)."""
+        return gpu_name(self.node, index)
 
     def _redis(self) -> redis.Redis:
         return redis.Redis.from_url(self.env["DFLASH_REDIS_URL"])
@@ -181,16 +187,16 @@ class LocalCluster:
             self._await_registered(gpu, proc)
 
     def _spawn_worker(self, gpu: int, args) -> Proc:
-        self._redis().hdel(WORKERS, queue_for(gpu))  # a registration left by an earlier worker
+        self._redis().hdel(WORKERS, self.gpu(gpu))  # a registration left by an earlier worker
         return self.spawn(f"worker{gpu}", python("manage.py", "worker", "--gpu", str(gpu),
                                                  "--sglang-url", self.url(gpu), *args))
 
     def _await_registered(self, gpu: int, proc: Proc) -> Proc:
         r = self._redis()
-        wait_until(lambda: r.hexists(WORKERS, queue_for(gpu)) or not proc.alive(), timeout=60,
-                   what=f"worker gpu{gpu} to register")
+        wait_until(lambda: r.hexists(WORKERS, self.gpu(gpu)) or not proc.alive(), timeout=60,
+                   what=f"worker {self.gpu(gpu)} to register")
         if not proc.alive():
-            raise RuntimeError(f"worker gpu{gpu} exited:\n{proc.log()[-3000:]}")
+            raise RuntimeError(f"worker {self.gpu(gpu)} exited:\n{proc.log()[-3000:]}")
         self.workers[gpu] = proc
         return proc
 

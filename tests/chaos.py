@@ -77,7 +77,7 @@ WEIGHTS = {
     "beat_restart": 0.5, "s3_down": 1.0, "wait": 1.0,
 }
 # The fields of a job's config that a refused command must leave as they were.
-SETTINGS_FIELDS = ("params", "gpus", "dataset", "created_at")
+SETTINGS_FIELDS = ("params", "gpus", "nodes", "dataset", "created_at")
 FAULTS = {"kill_worker", "term_worker", "server_down", "redis_restart", "beat_restart", "s3_down"}
 
 
@@ -617,14 +617,15 @@ class Sequence:
         k = f"dflash:{{{job.name}}}"
         r = self.d.c.r
         parts = [f"gpus {self.config(job.name).get('gpus')}"]
-        for g in range(4):
+        gpus = sorted(m.decode() for m in r.smembers(k + ":gpus"))
+        for g in gpus:
             n = r.zcard(f"{k}:inflight:{g}")
             if n:
                 parts.append(f"inflight:{g}={n}")
+        queues = " ".join(f"{g}={r.llen(g)}" for g in gpus)
         parts.append(f"pending={r.llen(k + ':pending')} done={r.scard(k + ':done')} "
-                     f"failed={r.hlen(k + ':failed')} queues gpu0={r.llen('gpu0')} "
-                     f"gpu1={r.llen('gpu1')} unacked={r.hlen('unacked')}")
-        held = {m.decode() for g in range(4) for m in r.zrange(f"{k}:inflight:{g}", 0, -1)}
+                     f"failed={r.hlen(k + ':failed')} queues {queues} unacked={r.hlen('unacked')}")
+        held = {m.decode() for g in gpus for m in r.zrange(f"{k}:inflight:{g}", 0, -1)}
         held |= {m.decode() for m in r.lrange(k + ":pending", 0, -1)}
         held |= {m.decode() for m in r.smembers(k + ":done")}
         held |= {m.decode() for m in r.hkeys(k + ":failed")}

@@ -4,7 +4,7 @@ with a tiny model in `make test-sglang` (tests/sglang_real/). Where the two serv
 of these checks fails on one side only, and the simulated server is what gets fixed.
 
 Every check takes a `Served` (the server's URL and what it was started with) and, for the
-end-to-end ones, a cluster whose gpu0 worker talks to that server. The checks never assume a
+end-to-end ones, a cluster whose gpu0@local worker talks to that server. The checks never assume a
 particular text: a row is compared with what the same server answers to the same request, and
 with invariants any Qwen3-style thinking output must meet. Both servers must be deterministic
 per prompt (the sim is; the tiny model is a bigram table that always says the same thing).
@@ -194,7 +194,7 @@ def check_job_end_to_end(c, s: Served, tmp_path: Path) -> None:
     assert {r["metadata"]["finish_reason"] for r in out} == {"stop"}
     for row in out:
         check_thinking_row(row)
-        assert row["metadata"]["model"] == s.model and row["metadata"]["gpu"] == 0
+        assert row["metadata"]["model"] == s.model and row["metadata"]["gpu"] == c.gpu(0)
     same_as_fresh(s, out[0])
     snap = c.status("stops")
     assert snap["finish_reasons"] == {"stop": len(rows)}
@@ -209,7 +209,7 @@ def check_job_end_to_end(c, s: Served, tmp_path: Path) -> None:
     same_as_fresh(s, out[0])
     assert c.status("cuts")["total_output_tokens"] == 4 * SMALL_CAP
 
-    server = c.status("stops")["gpus"]["gpu0"]["server"]
+    server = c.status("stops")["gpus"][c.gpu(0)]["server"]
     assert server["error"] is None, server
     for key in ("running", "queued", "gen_throughput", "token_usage", "cache_hit_rate"):
         assert isinstance(server[key], (int, float)), (key, server)

@@ -309,7 +309,8 @@ def test_launcher_runs_workers_restarts_them_and_stops_them_before_servers(node,
 
     base = port_pair()
     r = redis.Redis.from_url(redis_url)
-    n = node("--gpus", "0", "--simulate", "--base-port", str(base), "--max-running-requests", "8",
+    n = node("--node", "n1", "--gpus", "0", "--simulate", "--base-port", str(base),
+             "--max-running-requests", "8",
              env={"DFLASH_REDIS_URL": redis_url, "DFLASH_OUTPUT_DIR": str(tmp_path / "output")})
     wait_until(lambda: n.child(0, "worker")["pid"], timeout=60, what="gpu0's worker started")
     first = n.child(0, "worker")["pid"]
@@ -317,7 +318,8 @@ def test_launcher_runs_workers_restarts_them_and_stops_them_before_servers(node,
     log = n.proc.log()
     assert log.index("[gpu0 server] healthy") < log.index("[gpu0 worker] started")
     assert f"--sglang-url http://127.0.0.1:{base}" in (n.logs / "gpu0-worker.log").read_text()
-    wait_until(lambda: r.hexists("dflash:workers", "gpu0"), timeout=60, what="worker registered")
+    assert "--gpu 0 --node n1" in (n.logs / "gpu0-worker.log").read_text()
+    wait_until(lambda: r.hexists("dflash:workers", "gpu0@n1"), timeout=60, what="worker registered")
 
     os.kill(first, signal.SIGKILL)
     wait_until(lambda: (c := n.child(0, "worker"))["pid"] not in (None, first) and c["restarts"] == 1,

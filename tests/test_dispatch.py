@@ -25,20 +25,26 @@ def dispatch(redis_url):
                                                               everything=everything))
 
 
+def g(index: int, node: str = "a") -> str:
+    """A GPU's name (its queue's too)."""
+    return f"gpu{index}@{node}"
+
+
 def setup_job(r: redis.Redis, name: str, n: int, gpus: int, concurrency: int) -> None:
     from dflash_tasks.core import jobs
     from dflash_tasks.ledger import Ledger
     from dflash_tasks.ledger.messages import encode_messages
 
-    jobs.save(r, name, jobs.GenerationParams(), gpus=gpus, dataset="-", status="running")
+    jobs.save(r, name, jobs.GenerationParams(), selection=jobs.GpuSelection.parse(str(gpus)),
+              dataset="-", status="running")
     Ledger(r).add_prompts(name, [(f"p{i}", encode_messages([{"role": "user", "content": f"q{i}"}]))
                                  for i in range(n)])
     for gpu in range(gpus):
-        r.hset("dflash:workers", f"gpu{gpu}", json.dumps({"concurrency": concurrency}))
+        r.hset("dflash:workers", g(gpu), json.dumps({"concurrency": concurrency}))
 
 
 def queued(r: redis.Redis, queue: str) -> list[tuple[str, str, int]]:
-    """The (job, id, gpu) args of the messages in a queue, in the order workers take them."""
+    """The (job, id, GPU) args of the messages in a queue, in the order workers take them."""
     from kombu.transport.virtual.base import Channel
 
     out = []
@@ -58,17 +64,17 @@ def test_topup_publishes_in_the_same_call(dispatch, redis_url):
 
     r = redis.Redis.from_url(redis_url)
     setup_job(r, "w", n=10, gpus=2, concurrency=2)  # window: 2 x 1.5 = 3
-    assert dispatch.topup("w", 0) == 3
-    assert dispatch.topup("w", 0) == 0  # the window is full
-    assert queued(r, "gpu0") == [("w", "p0", 0), ("w", "p1", 0), ("w", "p2", 0)]
-    assert {m.decode() for m in r.zrange(JobKeys("w").inflight(0), 0, -1)} == {"p0", "p1", "p2"}
-    ids = [json.loads(m)["headers"]["id"] for m in r.lrange("gpu0", 0, -1)]
-    tags = [json.loads(m)["properties"]["delivery_tag"] for m in r.lrange("gpu0", 0, -1)]
+    assert dispatch.topup("w", g(0)) == 3
+    assert dispatch.topup("w", g(0)) == 0  # the window is full
+    assert queued(r, g(0)) == [("w", "p0", g(0)), ("w", "p1", g(0)), ("w", "p2", g(0))]
+    assert {m.decode() for m in r.zrange(JobKeys("w").inflight(g(0)), 0, -1)} == {"p0", "p1", "p2"}
+    ids = [json.loads(m)["headers"]["id"] for m in r.lrange(g(0), 0, -1)]
+    tags = [json.loads(m)["properties"]["delivery_tag"] for m in r.lrange(g(0), 0, -1)]
     assert len(set(ids)) == len(set(tags)) == 3
     # A finished prompt makes room for one more.
-    r.zrem(JobKeys("w").inflight(0), "p0")
-    assert dispatch.topup("w", 0) == 1
-    assert queued(r, "gpu0")[-1] == ("w", "p3", 0)
+    r.zrem(JobKeys("w").inflight(g(0)), "p0")
+    assert dispatch.topup("w", g(0)) == 1
+    assert queued(r, g(0))[-1] == ("w", "p3", g(0))
 
 
 def test_end_game_takes_the_newest_waiting_prompt_of_the_longest_other_queue(dispatch, redis_url):
@@ -77,38 +83,97 @@ def test_end_game_takes_the_newest_waiting_prompt_of_the_longest_other_queue(dis
     r = redis.Redis.from_url(redis_url)
     k = JobKeys("e")
     setup_job(r, "e", n=6, gpus=2, concurrency=2)
-    assert dispatch.topup("e", 0) == 3 and dispatch.topup("e", 1) == 3
+    assert dispatch.topup("e", g(0)) == 3 and dispatch.topup("e", g(1)) == 3
     assert r.llen(k.pending) == 0
     # gpu1's worker took its three messages and finished one; its queue is empty.
-    r.delete("gpu1")
-    r.zrem(k.inflight(1), "p3")
-    assert dispatch.topup("e", 1) == 1
-    assert queued(r, "gpu1") == [("e", "p2", 1)]          # gpu0's newest waiting prompt
-    assert queued(r, "gpu0") == [("e", "p0", 0), ("e", "p1", 0)]
-    assert {m.decode() for m in r.zrange(k.inflight(0), 0, -1)} == {"p0", "p1"}
-    assert {m.decode() for m in r.zrange(k.inflight(1), 0, -1)} == {"p4", "p5", "p2"}
+    r.delete(g(1))
+    r.zrem(k.inflight(g(1)), "p3")
+    assert dispatch.topup("e", g(1)) == 1
+    assert queued(r, g(1)) == [("e", "p2", g(1))]          # gpu0's newest waiting prompt
+    assert queued(r, g(0)) == [("e", "p0", g(0)), ("e", "p1", g(0))]
+    assert {m.decode() for m in r.zrange(k.inflight(g(0)), 0, -1)} == {"p0", "p1"}
+    assert {m.decode() for m in r.zrange(k.inflight(g(1)), 0, -1)} == {"p4", "p5", "p2"}
     # With something in its own queue, a GPU takes nothing from the others.
-    r.zrem(k.inflight(1), "p4")
-    assert dispatch.topup("e", 1) == 0
+    r.zrem(k.inflight(g(1)), "p4")
+    assert dispatch.topup("e", g(1)) == 0
     # Another job's message, or one that is not a plain refill (a retry), is left where it is.
-    r.delete("gpu1")
-    r.lpush("gpu0", json.dumps({"body": json.dumps([["other", "x", 0], {}, {}]),
+    r.delete(g(1))
+    r.lpush(g(0), json.dumps({"body": json.dumps([["other", "x", 0], {}, {}]),
                                 "headers": {"task": "dflash_tasks.generate"}, "properties": {}}))
-    assert dispatch.topup("e", 1) == 0
-    assert r.llen("gpu0") == 3
+    assert dispatch.topup("e", g(1)) == 0
+    assert r.llen(g(0)) == 3
 
 
 def test_a_gpu_the_job_no_longer_uses_takes_nothing(redis_url, dispatch):
-    """After an enqueue with fewer --gpus, the dropped GPU's worker still refills after each of
+    """After an enqueue with fewer GPUs (--gpus 1), the dropped GPU's worker still refills after each of
     the job's requests it finishes there: it must take nothing (it took prompts into an in-flight
     set status no longer counts; found by the chaos test, seed 312)."""
     from dflash_tasks.core import jobs
 
     r = redis.Redis.from_url(redis_url)
     setup_job(r, "fewer", 40, gpus=2, concurrency=4)
-    assert dispatch.topup("fewer", 1) == 6
-    jobs.save(r, "fewer", jobs.GenerationParams(), gpus=1, dataset="-", status="running")
-    dispatch.withdraw("fewer", 1, everything=True)
-    assert dispatch.topup("fewer", 1) == 0
-    assert r.zcard("dflash:{fewer}:inflight:1") == 0 and r.llen("gpu1") == 0
-    assert dispatch.topup("fewer", 0) == 6
+    assert dispatch.topup("fewer", g(1)) == 6
+    jobs.save(r, "fewer", jobs.GenerationParams(), selection=jobs.GpuSelection.parse("1"),
+              dataset="-", status="running")
+    dispatch.withdraw("fewer", g(1), everything=True)
+    assert dispatch.topup("fewer", g(1)) == 0
+    assert r.zcard("dflash:{fewer}:inflight:gpu1@a") == 0 and r.llen(g(1)) == 0
+    assert dispatch.topup("fewer", g(0)) == 6
+
+
+def test_a_node_that_joins_takes_work_and_nodes_select_gpus(redis_url, dispatch):
+    """GPUs are named by node: gpu0 of two nodes are two GPUs with two queues. A job on every
+    GPU (the default) gives work to a node's GPU the first time it asks (a node joining a running
+    job); `--nodes` keeps only the named nodes' GPUs."""
+    from dflash_tasks import dispatch as module
+    from dflash_tasks.core import jobs
+    from dflash_tasks.ledger import Ledger
+
+    r = redis.Redis.from_url(redis_url)
+    setup_job(r, "multi", 40, gpus=1, concurrency=2)
+    jobs.save(r, "multi", jobs.GenerationParams(), selection=jobs.GpuSelection(),
+              dataset="-", status="running")
+    assert dispatch.topup("multi", g(0)) == 3
+    for gpu in (g(0, "b"), g(1, "b")):                     # node b's workers register
+        r.hset("dflash:workers", gpu, json.dumps({"concurrency": 2}))
+    assert dispatch.topup("multi", g(0, "b")) == 3       # node b joins: its own queue, its own set
+    assert [q[2] for q in queued(r, g(0, "b"))] == [g(0, "b")] * 3
+    assert module.dispatched_gpus(r, "multi") == [g(0), g(0, "b")]
+    assert module.dispatched_gpus(r, "multi") == module.job_gpus(r, jobs.load(r, "multi"))[:2]
+    # An outcome on one node takes a recalled prompt out of the other node's set (elsewhere.lua).
+    prompt = queued(r, g(0, "b"))[0][1]
+    row = {"id": prompt, "metadata": {"prompt_tokens": 1, "completion_tokens": 2,
+                                       "finish_reason": "stop", "gpu": g(0)}}
+    assert Ledger(r).complete("multi", prompt, g(0), row)
+    assert r.zscore(f"dflash:{{multi}}:inflight:{g(0, 'b')}", prompt) is None
+    jobs.save(r, "multi", jobs.GenerationParams(), selection=jobs.GpuSelection.parse(None, "b"),
+              dataset="-", status="running")
+    r.delete(f"dflash:{{multi}}:inflight:{g(0)}", f"dflash:{{multi}}:inflight:{g(0, 'b')}")
+    assert dispatch.topup("multi", g(0)) == 0             # node a is no longer selected
+    assert dispatch.topup("multi", g(1, "b")) == 3
+
+
+GPU_NAMES = [f"gpu{i}@{n}" for i in range(3) for n in ("a", "b", "node-c")]
+
+
+@pytest.mark.parametrize("nodes", ["", "a", "b,node-c"])
+@pytest.mark.parametrize("gpus", ["all", "1", "3", "gpu0@a", "gpu1@b,gpu2@node-c,gpu0@a"])
+def test_take_lua_and_the_python_selection_agree(redis_url, gpus, nodes):
+    """take.lua checks a job's GPU selection in Redis, GpuSelection.allows in Python (beat,
+    enqueue, status): the two must say the same for every kind of selection and GPU."""
+    from dflash_tasks.core import jobs
+    from dflash_tasks.ledger import Ledger
+    from dflash_tasks.ledger.messages import encode_messages
+
+    r = redis.Redis.from_url(redis_url)
+    selection = jobs.GpuSelection.parse(gpus, nodes)
+    book = Ledger(r)
+    for gpu in GPU_NAMES:
+        jobs.delete(r, "sel")
+        for name in GPU_NAMES:
+            r.delete(name)
+        jobs.save(r, "sel", jobs.GenerationParams(), selection=selection, dataset="-",
+                  status="running")
+        book.add_prompts("sel", [("p", encode_messages([{"role": "user", "content": "q"}]))])
+        took = book.take("sel", gpu, 1, task="dflash_tasks.generate", origin="t", reply_to="")
+        assert bool(took) == selection.allows(gpu), (selection, gpu)

@@ -157,11 +157,11 @@ def test_transient_faults_and_garbage_messages_lose_nothing(cluster, tmp_path):
     # Garbage in the queue before any work: not JSON, a pickled task, a body that is not JSON,
     # an envelope without kombu's properties. None may kill the worker or loop.
     for entry in ["this is not a kombu message",
-                  pickled_task("gpu0", ["j", "x", 0]),
-                  kombu_entry(b"{not json", "application/json", "gpu0"),
+                  pickled_task(c.gpu(0), ["j", "x", c.gpu(0)]),
+                  kombu_entry(b"{not json", "application/json", c.gpu(0)),
                   json.dumps({"body": "e30=", "headers": {}})]:
-        c.r.lpush("gpu0", entry)
-    wait_until(lambda: c.r.llen("gpu0") == 0, timeout=30, what="the worker to read the garbage")
+        c.r.lpush(c.gpu(0), entry)
+    wait_until(lambda: c.r.llen(c.gpu(0)) == 0, timeout=30, what="the worker to read the garbage")
 
     rows = prompts(500)
     c.manage("enqueue", "--dataset", str(dataset(tmp_path, rows)), "--job", "flaky",
@@ -203,23 +203,23 @@ def test_server_down_for_a_minute_costs_no_prompt_and_no_retry_storm(cluster, tm
     before = counters(c, "outage")
     sim_down(c.url(0), 60)
     time.sleep(2)
-    opened = wait_until(lambda: json.loads(c.r.hget("dflash:breakers", "gpu0") or "{}")
+    opened = wait_until(lambda: json.loads(c.r.hget("dflash:breakers", c.gpu(0)) or "{}")
                         .get("state") == "open", timeout=30, what="the breaker to open")
     assert opened
     # While it is down the worker holds no more than its threads' worth, the rest stays queued.
-    wait_until(lambda: c.r.llen("gpu0") > 0, timeout=20, what="prompts queued in the broker")
+    wait_until(lambda: c.r.llen(c.gpu(0)) > 0, timeout=20, what="prompts queued in the broker")
     at_open = counters(c, "outage")
     time.sleep(20)
     during = counters(c, "outage")
     assert during.get("completed", 0) == at_open.get("completed", 0)
     assert during.get("retries", 0) == at_open.get("retries", 0)  # nothing sent while open
-    wait_until(lambda: json.loads(c.r.hget("dflash:breakers", "gpu0"))["state"] == "closed",
+    wait_until(lambda: json.loads(c.r.hget("dflash:breakers", c.gpu(0)))["state"] == "closed",
                timeout=120, what="the breaker to close after the server is back")
     c.wait_done("outage", timeout=240)
     check_books(c, "outage", {r["id"] for r in rows})
 
     after = counters(c, "outage")
-    concurrency = json.loads(c.r.hget("dflash:workers", "gpu0"))["concurrency"]
+    concurrency = json.loads(c.r.hget("dflash:workers", c.gpu(0)))["concurrency"]
     outage_retries = after.get("retries", 0) - before.get("retries", 0)
     # The requests in flight when it went down fail once each; nothing more is sent while open.
     assert 0 < outage_retries <= concurrency + 10, outage_retries
@@ -297,7 +297,7 @@ def test_permanent_failures_are_registered_at_once_and_retry_failed_is_idempoten
     assert all(registry[pid]["attempts"] == 1 and failures[pid] == 2 for pid in again)
     assert counters(c, "perm")["requeued"] == len(bad)
 
-    only_gpu1 = json.loads(c.manage("retry-failed", "--job", "perm", "--gpu", "1", "--json").stdout)
+    only_gpu1 = json.loads(c.manage("retry-failed", "--job", "perm", "--gpu", c.gpu(1), "--json").stdout)
     only_transient = json.loads(c.manage("retry-failed", "--job", "perm", "--reason", "transient",
                                          "--json").stdout)
     assert only_gpu1["requeued"] == only_transient["requeued"] == 0

@@ -55,13 +55,13 @@ def test_tables_read_at_80_columns_and_piped(redis_url, tmp_path):
     r = redis.Redis.from_url(redis_url)
     error = ("The input (9,001 tokens) is longer than the model's context length (8,192 tokens). "
              * 5 + "THE-END-OF-THE-ERROR")
-    ids = [i.decode() for i in r.zrange(JobKeys(job).inflight(0), 0, 2)]  # nothing consumes them
+    ids = [i.decode() for i in r.lrange(JobKeys(job).pending, 0, 2)]  # no worker takes them
     assert len(ids) == 3, ids
     for n, pid in enumerate(ids):
-        assert Ledger(r).fail(job, pid, 0, {"id": pid, "reason": "invalid_request",
-                                            "class": "permanent", "error": error if n < 2 else "short",
-                                            "status": 400, "attempts": 1, "gpu": 0, "at": 1.7e9 + n},
-                              gpus=2)
+        assert Ledger(r).fail(job, pid, "gpu0@a", {
+            "id": pid, "reason": "invalid_request", "class": "permanent",
+            "error": error if n < 2 else "short", "status": 400, "attempts": 1, "gpu": "gpu0@a",
+            "at": 1.7e9 + n})
     (tmp_path / "train.toml").write_text('[reference]\ntarget_model = "/models/Qwen3-8B"\n')
     for _ in range(2):
         _manage(env, "train", "--job", job, "--after-done", "--config", str(tmp_path / "train.toml"))

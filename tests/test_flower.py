@@ -46,10 +46,10 @@ def test_flower_shows_gpu_workers_queues_and_prompt_tasks(cluster, tmp_path):
 
         workers = wait_until(lambda: (w := httpx.get(base + "/api/workers?refresh=1", auth=AUTH,
                                                      timeout=30).json())
-                             and {n.split("@")[0] for n in w} >= {"gpu0", "gpu1"} and w,
+                             and set(w) >= {c.gpu(0), c.gpu(1)} and w,
                              timeout=60, what="Flower to list both GPU workers")
-        gpu0 = next(v for k, v in workers.items() if k.startswith("gpu0@"))
-        assert [q["name"] for q in gpu0["active_queues"]] == ["gpu0"]
+        # A GPU's Celery worker and its queue bear the GPU's name, unique across nodes.
+        assert [q["name"] for q in workers[c.gpu(0)]["active_queues"]] == [c.gpu(0)]
 
         tasks = wait_until(lambda: (t := httpx.get(base + "/api/tasks", auth=AUTH, timeout=30).json())
                            and len(t) >= 60 and t, timeout=60, what="Flower to see the tasks")
@@ -59,14 +59,14 @@ def test_flower_shows_gpu_workers_queues_and_prompt_tasks(cluster, tmp_path):
         assert max(len(t["args"]) for t in generate) < 100  # ids, not a 5 KB prompt blob
 
         lengths = httpx.get(base + "/api/queues/length", auth=AUTH, timeout=30).json()
-        assert {"gpu0", "gpu1"} <= {q["name"] for q in lengths["active_queues"]}
+        assert {c.gpu(0), c.gpu(1)} <= {q["name"] for q in lengths["active_queues"]}
         assert "flower_events_total" in httpx.get(base + "/metrics").text
 
         # The pages in a browser, when there is one; without chromium this test still passes on
         # everything above, and test_flower_pages_are_checked_in_chromium says SKIPPED for them.
         if shutil.which("chromium"):
             dom = _browser(f"http://{AUTH[0]}:{PASSWORD}@127.0.0.1:{port}/workers", tmp_path)
-            assert "gpu0@" in dom and "gpu1@" in dom
+            assert c.gpu(0) in dom and c.gpu(1) in dom
             _browser(f"http://{AUTH[0]}:{PASSWORD}@127.0.0.1:{port}/tasks", tmp_path)
     finally:
         flower.stop()

@@ -145,8 +145,9 @@ def test_only_the_entry_points_reach_for_the_process_accessors():
 
 # -- docs/ARCHITECTURE.md's key table --------------------------------------------------------------
 
-PLACEHOLDERS = {"job": "<job>", "run": "<run>", "gpu": "N", "part": "*"}
-NOT_KEYS = {"check_job_name", "queue_for"}  # a validator; Celery's queue names
+PLACEHOLDERS = {"job": "<job>", "run": "<run>", "gpu": "<gpu>", "part": "*"}
+# Validators, GPU names and Celery's queue names: not keys of the project's own.
+NOT_KEYS = {"check_job_name", "check_node_name", "gpu_name", "parse_gpu", "gpu_order", "queue_for"}
 
 
 def _call(fn, drop_self: bool = False) -> str:

@@ -206,7 +206,7 @@ def test_status_shows_each_servers_own_load_from_its_metrics(cluster, tmp_path):
     start(c, gpus=(0,), sim_args=("--slots", "8", "--decode-tps", "300"))
     path, _ = prompts(tmp_path, 120)
     c.manage("enqueue", "--dataset", str(path), "--job", "load", "--gpus", "1")
-    server = wait_until(lambda: (g := c.status("load")["gpus"]["gpu0"]["server"])
+    server = wait_until(lambda: (g := c.status("load")["gpus"][c.gpu(0)]["server"])
                         and g["running"] == 8 and g, timeout=60,
                         what="the server's metrics to show its 8 slots busy")
     assert server["error"] is None and server["gen_throughput"] >= 0 and server["age_s"] < 30

@@ -69,7 +69,7 @@ def test_run_completes_with_every_id_once_and_bad_rows_reported(cluster, tmp_pat
     assert {r["status"] for r in rows} <= {"success", "truncated"}
     assert len(row["token_ids"]["response"]) == meta["completion_tokens"]
     # Both GPUs took work: dispatch follows each server, not a static split.
-    assert {r["metadata"]["gpu"] for r in rows} == {0, 1}
+    assert {r["metadata"]["gpu"] for r in rows} == {c.gpu(0), c.gpu(1)}
     progress = json.loads((c.output_dir / "small" / "progress.json").read_text())
     assert progress["completed"] == 400 and progress["status"] == "done"
 
@@ -106,10 +106,10 @@ def test_sigkill_of_a_worker_mid_run_loses_and_doubles_nothing(cluster, tmp_path
     c.start_beat()
     path, ids = dataset(tmp_path, 2000)
     c.manage("enqueue", "--dataset", str(path), "--job", "kill", "--gpus", "2")
-    wait_until(lambda: c.status("kill")["gpus"]["gpu1"]["completed"] >= 200, timeout=120,
+    wait_until(lambda: c.status("kill")["gpus"][c.gpu(1)]["completed"] >= 200, timeout=120,
                what="gpu1 to complete 200 prompts")
     c.workers[1].kill()
-    assert c.status("kill")["gpus"]["gpu1"]["in_flight"] > 0  # work was lost with the worker
+    assert c.status("kill")["gpus"][c.gpu(1)]["in_flight"] > 0  # work was lost with the worker
     c.start_worker(1)
     c.wait_done("kill", timeout=400)
     assert_exactly_once(c, "kill", ids)

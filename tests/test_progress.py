@@ -53,7 +53,7 @@ def test_progress_json_matches_the_ledger_and_the_rows(cluster, tmp_path):
     assert live["output_tokens_per_sec"] > 0 and live["input_throughput"] > 0
     assert live["eta_hours"] == pytest.approx(
         (600 - live["completed"] - live["failed"]) / live["rate_per_sec"] / 3600, rel=0.01, abs=1e-3)
-    assert set(live["gpus"]) == {"gpu0", "gpu1"}
+    assert set(live["gpus"]) == {c.gpu(0), c.gpu(1)}
     for g in live["gpus"].values():
         for field in PER_GPU:
             assert field in g, field
@@ -81,7 +81,7 @@ def test_progress_json_matches_the_ledger_and_the_rows(cluster, tmp_path):
     assert final["batches"] == ledger["batches"] == 4
     assert final["elapsed_hours"] > 0
     for gpu in (0, 1):
-        assert final["gpus"][f"gpu{gpu}"]["completed"] == sum(1 for m in meta if m["gpu"] == gpu)
+        assert final["gpus"][c.gpu(gpu)]["completed"] == sum(1 for m in meta if m["gpu"] == c.gpu(gpu))
     # Latency, as SGLang's bench_serving names it, over every sealed row.
     latencies = [m["latency_s"] * 1000 for m in meta]
     assert final["latency_rows"] == 600
@@ -93,17 +93,17 @@ def test_progress_json_matches_the_ledger_and_the_rows(cluster, tmp_path):
 
     # A worker killed stops its heartbeat: alive turns false within three periods.
     c.workers[1].kill()
-    wait_until(lambda: c.status("prog")["gpus"]["gpu1"]["alive"] is False, timeout=30,
+    wait_until(lambda: c.status("prog")["gpus"][c.gpu(1)]["alive"] is False, timeout=30,
                what="gpu1 to read as not alive")
-    assert c.status("prog")["gpus"]["gpu0"]["alive"] is True
+    assert c.status("prog")["gpus"][c.gpu(0)]["alive"] is True
     # A worker stopped cleanly removes its stamp at once.
     c.workers[0].stop()
-    assert c.status("prog")["gpus"]["gpu0"]["alive"] is False
+    assert c.status("prog")["gpus"][c.gpu(0)]["alive"] is False
 
 
 # -- in process, against the test database ---------------------------------------------------------
 
-def _row(i: int, gpu: int, out: int, latency_s: float, reason: str = "stop") -> dict:
+def _row(i: int, gpu: str, out: int, latency_s: float, reason: str = "stop") -> dict:
     return {"id": f"p{i}", "conversations": [], "status": "success", "metadata": {
         "finish_reason": reason, "prompt_tokens": 10, "completion_tokens": out, "gpu": gpu,
         "latency_s": latency_s, "attempts": 1, "completed_at": 1_700_000_000 + i}}
@@ -114,11 +114,18 @@ def r(redis_url):
     return redis_lib.Redis.from_url(redis_url)
 
 
+def _gpu(index: int) -> str:
+    return f"gpu{index}@a"
+
+
 def _job(r, name: str, n: int, gpus: int = 2):
     from dflash_tasks.ledger import Ledger
 
     book = Ledger(r)
-    jobs.save(r, name, jobs.GenerationParams(), gpus=gpus, dataset="x", status="running")
+    jobs.save(r, name, jobs.GenerationParams(), selection=jobs.GpuSelection.parse(str(gpus)),
+              dataset="x", status="running")
+    for gpu in range(gpus):  # as if each had dispatched: status shows the job's GPUs
+        r.sadd(JobKeys(name).gpus, _gpu(gpu))
     book.add_prompts(name, [(f"p{i}", "[]") for i in range(n)])
     return book
 
@@ -134,20 +141,22 @@ def test_rate_is_over_the_recent_window_not_since_the_start(r):
 
     book = _job(r, "win", 100)
     for i in range(30):
-        book.complete("win", f"p{i}", i % 2, _row(i, i % 2, 100 * (1 + i % 2), 1.0), gpus=2)
+        book.complete("win", f"p{i}", _gpu(i % 2), _row(i, _gpu(i % 2), 100 * (1 + i % 2), 1.0))
     k = JobKeys("win")
     now = int(r.time()[0])
     old = now - 3600 - now % RATE_BUCKET_S
     # An hour ago, a burst of 10,000 completions: outside a 300 s window, so it must not count.
-    r.hset(k.rate, mapping={f"c:{old}": 10_000, f"t:{old}": 10**7, f"g0:c:{old}": 10_000})
+    r.hset(k.rate, mapping={f"c:{old}": 10_000, f"t:{old}": 10**7, f"{_gpu(0)}:c:{old}": 10_000})
     r.hset(k.counters, "first_completed_at", old)
     snap = snapshot(r, "win", _settings(rate_window_s=300))
     span = now - (now - 300 - (now - 300) % RATE_BUCKET_S) + r.time()[1] / 1e6
     assert snap["rate_per_sec"] == pytest.approx(30 / span, rel=0.05)
     assert snap["output_tokens_per_sec"] == pytest.approx(4500 / span, rel=0.05)
     assert snap["input_throughput"] == pytest.approx(300 / span, rel=0.05)
-    assert snap["gpus"]["gpu0"]["request_throughput"] == pytest.approx(15 / span, rel=0.05)
-    assert snap["gpus"]["gpu1"]["output_tokens_per_sec"] == pytest.approx(3000 / span, rel=0.05)
+    assert snap["gpus"][_gpu(0)]["request_throughput"] == pytest.approx(15 / span, rel=0.05)
+    assert snap["gpus"][_gpu(1)]["output_tokens_per_sec"] == pytest.approx(3000 / span, rel=0.05)
+    assert snap["nodes"]["a"]["request_throughput"] == pytest.approx(30 / span, rel=0.05)
+    assert snap["nodes"]["a"]["gpus"] == 2
     assert snap["eta_hours"] == pytest.approx(70 / snap["rate_per_sec"] / 3600, rel=0.01)
 
 
@@ -155,16 +164,16 @@ def test_old_rate_buckets_are_pruned(r):
     from dflash_tasks.output.progress import RATE_BUCKET_S, prune_rate
 
     book = _job(r, "prune", 10)
-    book.complete("prune", "p0", 0, _row(0, 0, 5, 1.0), gpus=1)
+    book.complete("prune", "p0", _gpu(0), _row(0, _gpu(0), 5, 1.0))
     k = JobKeys("prune")
     now = int(r.time()[0])
     old = now - 7200 - now % RATE_BUCKET_S
     r.hset(k.counters, "first_completed_at", old)
-    r.hset(k.rate, mapping={f"c:{old}": 1, f"g1:t:{old + 10}": 1, f"i:{old + 20}": 1})
-    assert prune_rate(r, "prune", 2, keep_s=600) == 3
+    r.hset(k.rate, mapping={f"c:{old}": 1, f"{_gpu(1)}:t:{old + 10}": 1, f"i:{old + 20}": 1})
+    assert prune_rate(r, "prune", [_gpu(0), _gpu(1)], keep_s=600) == 3
     fields = {f.decode() for f in r.hkeys(k.rate)}
     assert not any(str(old) in f for f in fields) and any(f.startswith("c:") for f in fields)
-    assert prune_rate(r, "prune", 2, keep_s=600) == 0  # nothing left to walk twice
+    assert prune_rate(r, "prune", [_gpu(0), _gpu(1)], keep_s=600) == 0  # nothing left to walk twice
 
 
 def test_reading_costs_the_same_at_any_size(r, monkeypatch):
@@ -182,8 +191,12 @@ def test_reading_costs_the_same_at_any_size(r, monkeypatch):
     def command(self, *args, **kw):
         name = str(args[0]).upper()
         # The broker's unacknowledged messages (waiting retries) are bounded by the GPU windows,
-        # not by the job's size: that scan is allowed.
-        sent.append(f"{name} unacked" if name == "HSCAN" and args[1] in ("unacked", b"unacked") else name)
+        # and the job's GPUs by the deployment, not by the job's size: those reads are allowed.
+        if name == "HSCAN" and args[1] in ("unacked", b"unacked"):
+            name = "HSCAN unacked"
+        elif name == "SMEMBERS" and str(args[1]).endswith(":gpus"):
+            name = "SMEMBERS gpus"
+        sent.append(name)
         return real_command(self, *args, **kw)
 
     def commands_for(name: str, n: int) -> list[str]:
@@ -193,7 +206,7 @@ def test_reading_costs_the_same_at_any_size(r, monkeypatch):
             pipe.sadd(JobKeys(name).done, f"p{i}")
         pipe.hincrby(JobKeys(name).counters, "completed", n // 2)
         pipe.execute()
-        book.complete(name, "p0x", 0, _row(0, 0, 5, 1.0), gpus=1)
+        book.complete(name, "p0x", _gpu(0), _row(0, _gpu(0), 5, 1.0))
         sent.clear()
         monkeypatch.setattr(redis_lib.client.Pipeline, "execute", execute)
         monkeypatch.setattr(redis_lib.Redis, "execute_command", command)
@@ -220,7 +233,8 @@ def test_latency_percentiles_and_s3_totals_are_counted_once_per_batch(r, tmp_pat
     book = _job(r, "lat", 200)
     latencies = [0.5 + i * 0.05 for i in range(200)]
     for i, lat in enumerate(latencies):
-        book.complete("lat", f"p{i}", i % 2, _row(i, i % 2, 50, lat, "length" if i % 4 == 0 else "stop"), gpus=2)
+        book.complete("lat", f"p{i}", _gpu(i % 2),
+                      _row(i, _gpu(i % 2), 50, lat, "length" if i % 4 == 0 else "stop"))
     writer = BatchWriter(r, Ledger(r), FakeRemote(tmp_path), BatchPolicy(rows=64, bytes=10**9, max_age_s=999))
     names = writer.flush("lat", final=True)
     assert len(names) == 4

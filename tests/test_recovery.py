@@ -45,7 +45,7 @@ def test_workers_and_beat_refuse_a_redis_that_persists_nothing(tmp_path, bare_re
     assert "persists nothing" in said and "appendonly" in said
     assert "DFLASH_ALLOW_NO_PERSISTENCE=1" in said
     assert "Traceback" not in said
-    assert not c.r.hexists("dflash:workers", "gpu0")  # it never took a queue
+    assert not c.r.hexists("dflash:workers", c.gpu(0))  # it never took a queue
 
 
 def test_the_flag_allows_a_redis_that_persists_nothing(tmp_path, bare_redis):
@@ -71,7 +71,7 @@ def test_a_gpu_whose_worker_never_comes_back_hands_its_prompts_to_the_others(tmp
         data = write_jsonl(tmp_path / "d.jsonl", prompts(160))
         c.manage("enqueue", "--dataset", str(data), "--job", "gone", "--gpus", "2",
                  "--max-output-tokens", "512")
-        wait_until(lambda: c.status("gone")["gpus"]["gpu1"]["completed"] >= 5, timeout=120,
+        wait_until(lambda: c.status("gone")["gpus"][c.gpu(1)]["completed"] >= 5, timeout=120,
                    what="gpu1 to complete some prompts")
         c.workers[1].kill()  # SIGKILL: its heartbeat stops, its messages stay unacknowledged
 
@@ -85,7 +85,7 @@ def test_a_gpu_whose_worker_never_comes_back_hands_its_prompts_to_the_others(tmp
         rows = c.rows("gone")
         ids = [r["id"] for r in rows]
         assert len(ids) == len(set(ids)) == 160 and final["completed"] == 160
-        assert c.r.zcard("dflash:{gone}:inflight:1") == 0
+        assert c.r.zcard(f"dflash:{{gone}}:inflight:{c.gpu(1)}") == 0
         assert "went back to pending for the other GPUs" in c.beat.log()
     finally:
         c.stop()
@@ -149,7 +149,7 @@ def test_an_outcome_after_delete_writes_nothing(tmp_path, redis_url):
     book = Ledger(r)
     row = {"id": "q0000", "metadata": {"completion_tokens": 5, "prompt_tokens": 3,
                                        "finish_reason": "stop", "gpu": 0}}
-    assert not book.complete("gone2", "q0000", 0, row, gpus=1)
-    assert not book.fail("gone2", "q0001", 0, {"id": "q0001"}, gpus=1)
+    assert not book.complete("gone2", "q0000", "gpu0@a", row)
+    assert not book.fail("gone2", "q0001", "gpu0@a", {"id": "q0001"})
     assert not book.note_retry("gone2", "q0002", 0, "http_503")
     assert list(r.scan_iter(match="dflash:\\{gone2\\}:*")) == []

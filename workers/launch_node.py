@@ -3,6 +3,7 @@
 
     python workers/launch_node.py --gpus 0,1,2 --model-path /models/Qwen3-8B
     python workers/launch_node.py --gpus 0,1 --simulate            # no GPU, no sglang needed
+    python workers/launch_node.py --node b --gpus 0,1 --model-path /models/Qwen3-8B  # node b
 
 For each GPU I (in the order given):
 
@@ -31,7 +32,9 @@ For each GPU I (in the order given):
 
 2. wait for its /health to answer 200 (a fresh connection per probe: SGLang closes idle
    keep-alive connections after 5 s), then start its worker:
-   `python manage.py worker --gpu I --sglang-url http://127.0.0.1:BASE+I` (--no-workers: none).
+   `python manage.py worker --gpu I --node NAME --sglang-url http://127.0.0.1:BASE+I`
+   (--no-workers: none). Its GPU is named gpuI@NAME, and so are its queue and Celery worker: the
+   GPU 0 of every node is its own, and a node joins a running job by starting.
 
 3. supervise, until SIGTERM or SIGINT:
    - a server process that exits (SGLang's watchdog and its KV-pool leak check kill the whole
@@ -76,6 +79,9 @@ from pathlib import Path
 
 import httpx
 
+from dflash_tasks.core.keys import check_node_name
+from dflash_tasks.core.settings import get_settings
+
 ROOT = Path(__file__).resolve().parent.parent
 MANAGE = ROOT / "manage.py"
 TICK_S = 0.2           # supervision loop period
@@ -88,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Start and supervise one SGLang server and one Celery worker per GPU. "
                     "Any other --speculative-* option is passed to SGLang as given.")
     p.add_argument("--gpus", metavar='LIST', required=True, help="GPU indices, comma-separated: 0,1,2")
+    p.add_argument("--node", metavar='NAME',
+                   help="This node's name, unique in the deployment: its GPUs are gpuI@NAME "
+                        "[DFLASH_NODE, else the host's short name].")
     p.add_argument("--model-path", metavar='PATH', help="Model directory or hub id (required unless --simulate).")
     p.add_argument("--base-port", metavar='PORT', type=int, default=30000, help="GPU I serves on BASE+I [30000].")
     p.add_argument("--host", metavar='ADDR', default="127.0.0.1", help="Servers' listen address [127.0.0.1].")
@@ -136,6 +145,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--gpus must be comma-separated integers, not {args.gpus!r}")
     if not args.gpu_list or len(set(args.gpu_list)) != len(args.gpu_list) or min(args.gpu_list) < 0:
         p.error(f"--gpus needs distinct non-negative indices, not {args.gpus!r}")
+    try:
+        args.node = check_node_name(args.node) if args.node else get_settings().node
+    except ValueError as exc:
+        p.error(f"--node: {exc}")
     if not args.simulate and not args.model_path:
         p.error("--model-path is required (or --simulate)")
     if not args.simulate and not shutil.which(args.sglang_python):
@@ -175,7 +188,7 @@ def server_url(args: argparse.Namespace, gpu: int) -> str:
 
 
 def worker_command(args: argparse.Namespace, gpu: int) -> list[str]:
-    return [sys.executable, str(MANAGE), "worker", "--gpu", str(gpu),
+    return [sys.executable, str(MANAGE), "worker", "--gpu", str(gpu), "--node", args.node,
             "--sglang-url", server_url(args, gpu)]
 
 
@@ -237,6 +250,7 @@ class Launcher:
                     "restarts": max(0, c.starts - 1), "log": str(c.log_path)}
 
         status = {"launcher_pid": os.getpid(), "updated": time.time(), "simulate": self.args.simulate,
+                  "node": self.args.node,
                   "gpus": {str(g): {"port": self.args.base_port + g, "url": server_url(self.args, g),
                                     "server": describe(s),
                                     "worker": describe(self.workers[g]) if g in self.workers else None}
@@ -385,7 +399,7 @@ class Launcher:
             self.event(None, "port(s) already in use: " + ", ".join(
                 str(self.args.base_port + g) for g in busy) + " (another launcher or server?); exiting")
             return 2
-        self.event(None, f"pid={os.getpid()} gpus={self.args.gpu_list} "
+        self.event(None, f"pid={os.getpid()} node={self.args.node} gpus={self.args.gpu_list} "
                          f"{'simulated servers' if self.args.simulate else 'model=' + self.args.model_path} "
                          f"base_port={self.args.base_port} workers={'no' if self.args.no_workers else 'yes'}")
         self.event(None, "this launcher starts no beat: run `manage.py beat` once per deployment "

@@ -32,7 +32,7 @@ def _print_group(reason: str, group: dict, limit: int) -> None:
                                 "prompts, " + ", ".join(f"{g} {n:,}" for g, n in group["gpus"].items())))
     previous = None
     for rec in group["prompts"][:limit]:
-        console.print(Padding(Text(f"{rec.get('id')}  gpu{rec.get('gpu')}  attempts "
+        console.print(Padding(Text(f"{rec.get('id')}  {rec.get('gpu')}  attempts "
                                    f"{rec.get('attempts', '')}  failed {rec.get('failures', 1)}x  "
                                    f"{_when(rec.get('at'))}", overflow="fold"), (0, 0, 0, 2)))
         error = rec.get("error") or ""
@@ -86,16 +86,16 @@ def failed(name: str, as_json: bool, limit: int) -> None:
         console.print(f"{gpu} circuit breaker: [{style}]{state}[/]{extra}")
     if data["failed"]:
         console.print(f"Put them back with: manage.py retry-failed --job {name} "
-                      "[--reason REASON] [--gpu I]")
+                      "[--reason REASON] [--gpu GPU]")
 
 
 @click.command("retry-failed")
 @click.option("--job", "name", required=True)
 @click.option("--reason", help=_REASON_HELP)
-@click.option("--gpu", type=click.IntRange(min=0), help="Only prompts that failed on GPU I. [all]")
+@click.option("--gpu", metavar="GPU", help="Only prompts that failed on this GPU (gpu0@node-a). [all]")
 @click.option("--dry-run", is_flag=True, help="Only say what would be re-queued.")
 @click.option("--json", "as_json", is_flag=True, help="The report, machine-readable.")
-def retry_failed(name: str, reason: str | None, gpu: int | None, dry_run: bool, as_json: bool) -> None:
+def retry_failed(name: str, reason: str | None, gpu: str | None, dry_run: bool, as_json: bool) -> None:
     """Dispatch failed prompts again. Each leaves the registry in the same atomic step that puts
     it back in the job's dispatch list, so running this twice never sends a prompt twice."""
     from dflash_tasks.core.settings import get_settings

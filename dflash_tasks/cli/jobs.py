@@ -27,7 +27,7 @@ def list_jobs() -> None:
         job = jobs.load(r, name)
         c = shared_ledger().counters(name)
         table.add_row(name, job.status, f"{c.get('completed', 0):,}", f"{c.get('total', 0):,}",
-                      f"{c.get('failed', 0):,}", str(job.params.max_tokens), str(job.gpus))
+                      f"{c.get('failed', 0):,}", str(job.params.max_tokens), job.selection.describe())
     console.print(table)
 
 
@@ -53,7 +53,7 @@ def resume(name: str) -> None:
     job = job_or_fail(r, name)
     change_state(r, "resume", job)
     book, s = shared_ledger(), get_settings()
-    sent = sum(dispatch.topup(app, book, s, name, gpu) for gpu in range(job.gpus))
+    sent = dispatch.topup_all(app, book, s, jobs.load(r, name))
     console.print(f"job {name}: running ({sent} prompts dispatched now)")
 
 

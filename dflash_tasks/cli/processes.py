@@ -8,7 +8,7 @@ import sys
 import click
 
 from dflash_tasks.cli.common import err_console
-from dflash_tasks.core.keys import CONTROL_QUEUE, TRAIN_QUEUE
+from dflash_tasks.core.keys import CONTROL_QUEUE, TRAIN_QUEUE, check_node_name, gpu_name
 from dflash_tasks.core.settings import get_settings, redact_url
 
 # -- processes ----------------------------------------------------------------------------------
@@ -39,15 +39,18 @@ class _OneRole(click.Command):
 
 
 @click.command(cls=_OneRole)
-@click.option("--gpu", type=click.IntRange(min=0), help="GPU index I: consumes queue gpuI.")
+@click.option("--gpu", type=click.IntRange(min=0),
+              help="This node's GPU I: consumes the queue gpuI@NODE (the GPU's name).")
+@click.option("--node", help="This node's name, unique in the deployment [DFLASH_NODE, else the host's "
+                             "short name].")
 @click.option("--queue", type=click.Choice([TRAIN_QUEUE]),
               help="train: the training worker (one run at a time; manage.py train queues runs).")
 @click.option("--sglang-url", help="This GPU's SGLang server [http://127.0.0.1:{30000+I}].")
 @click.option("--concurrency", type=click.IntRange(min=1),
               help="Requests in flight [the server's max_running_requests plus a margin].")
 @click.option("--loglevel", default="INFO", show_default=True)
-def worker(gpu: int | None, queue: str | None, sglang_url: str | None, concurrency: int | None,
-           loglevel: str) -> None:
+def worker(gpu: int | None, node: str | None, queue: str | None, sglang_url: str | None,
+           concurrency: int | None, loglevel: str) -> None:
     """A Celery worker pinned to one GPU's queue and server (--gpu), or the training worker
     (--queue train)."""
     from dflash_tasks.sglang import SGLangClient, SGLangError
@@ -58,15 +61,22 @@ def worker(gpu: int | None, queue: str | None, sglang_url: str | None, concurren
         _exec_celery(["worker", "-Q", TRAIN_QUEUE, "-n", f"{TRAIN_QUEUE}@%h", "-P", "threads", "-c", "1",
                       "-E", "--without-gossip", "--without-mingle", "--loglevel", loglevel])
 
+    if node is not None:
+        try:
+            check_node_name(node)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--node") from None
+        os.environ["DFLASH_NODE"] = node  # the worker's own settings name the same node
     if sglang_url:
         os.environ["DFLASH_SGLANG_URL"] = sglang_url
-        get_settings.cache_clear()
-    url = get_settings().sglang_url_for(gpu)
+    get_settings.cache_clear()
+    name = gpu_name(get_settings().node, gpu)
+    url = get_settings().sglang_url_for(name)
     if concurrency is None:
         client = SGLangClient(url)
-        err_console.print(f"gpu{gpu}: waiting for {redact_url(url)}/health ...")
+        err_console.print(f"{name}: waiting for {redact_url(url)}/health ...")
         while not client.wait_healthy(timeout_s=60):
-            err_console.print(f"gpu{gpu}: {redact_url(url)} not healthy yet, still waiting")
+            err_console.print(f"{name}: {redact_url(url)} not healthy yet, still waiting")
         try:
             slots = int(client.server_info().get("max_running_requests") or 0)
         except (SGLangError, ValueError, TypeError):
@@ -76,9 +86,10 @@ def worker(gpu: int | None, queue: str | None, sglang_url: str | None, concurren
         # is taken by a request already waiting in the server's queue, even through a pause of
         # the worker process (GC, a busy CPU): benchmarks/RESULTS.md, case 3.
         concurrency = slots + max(4, slots // 4) if slots else get_settings().default_concurrency
-        err_console.print(f"gpu{gpu}: server has {slots or 'unknown'} decode slots; "
+        err_console.print(f"{name}: server has {slots or 'unknown'} decode slots; "
                           f"concurrency {concurrency}")
-    _exec_celery(["worker", "-Q", f"gpu{gpu}", "-n", f"gpu{gpu}@%h", "-P", "threads",
+    # The GPU's queue and its Celery worker bear the GPU's name (unique in the deployment).
+    _exec_celery(["worker", "-Q", name, "-n", name, "-P", "threads",
                   "-c", str(concurrency), "-E", "--without-gossip", "--without-mingle",
                   "--loglevel", loglevel])
 

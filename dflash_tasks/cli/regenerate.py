@@ -76,9 +76,8 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
         restart_window(r, name)  # its facts of the rows just superseded would still count
     if reopened and job.status == "done":
         jobs.transition(r, name, "done", "running")  # the lifecycle: a done job with work runs
-    if reopened and jobs.load(r, name).status == "running":
-        for gpu in range(job.gpus):
-            dispatch.topup(app, book, get_settings(), name, gpu)
+    if reopened and (now := jobs.load(r, name)).status == "running":
+        dispatch.topup_all(app, book, get_settings(), now)
     if failure is not None:
         raise click.ClickException(
             f"{failure}; {reopened:,} prompts were queued again before it: run the same command "

@@ -30,14 +30,18 @@ from dflash_tasks.core.settings import get_settings
 @generation_options
 @click.option("--thinking/--no-thinking", default=None, help="Qwen3 thinking mode [on].")
 @click.option("--limit", type=click.IntRange(min=1), help="Only the first N valid prompts.")
-@click.option("--gpus", type=click.IntRange(min=1),
-              help="Number of GPU queues gpu0..gpuN-1 [the registered workers, else 1].")
+@click.option("--gpus", metavar="all|N|GPUS",
+              help="The GPUs the job uses, among every node's registered ones (a node that joins "
+                   "later included): all, N (gpu0..gpuN-1 of each node) or names "
+                   "(gpu0@node-a,gpu1@node-b). [all; a resumed job keeps its own]")
+@click.option("--nodes", metavar="all|NODES",
+              help="Only these nodes' GPUs (node-a,node-b). [all; a resumed job keeps its own]")
 @click.option("--follow", is_flag=True, help="Show progress until the job is done.")
 def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top_k, thinking,
-            limit, gpus, follow) -> None:
+            limit, gpus, nodes, follow) -> None:
     """Store a dataset's prompts as a job and start dispatching them; resumes a known job."""
     from dflash_tasks import dispatch
-    from dflash_tasks.core.keys import WORKERS, check_job_name
+    from dflash_tasks.core.keys import check_job_name
     from dflash_tasks.ingest.loader import CHUNK, PromptLoader
     from dflash_tasks.ingest.prompts import DatasetError, ReadSummary, read_prompts
     from dflash_tasks.ledger import shared_ledger
@@ -57,15 +61,20 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
                               top_k=top_k, enable_thinking=thinking)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    gpus = gpus or (existing.gpus if existing else None) or \
-        len([q for q in r.hkeys(WORKERS) if q.startswith(b"gpu")]) or 1
+    kept = existing.selection if existing else jobs.GpuSelection()
+    try:
+        selection = jobs.GpuSelection.parse(
+            gpus if gpus is not None else kept.gpus,
+            "" if nodes == "all" else nodes if nodes is not None else ",".join(kept.nodes))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gpus/--nodes") from None
 
     summary = ReadSummary()
     # A new job is `loading` until its whole dataset is stored (take.lua dispatches nothing), and
     # is removed again if the dataset cannot be read to its end. A resumed job keeps its state
     # and parameters until then.
     if existing is None:
-        jobs.save(r, name, params, gpus=gpus, dataset=str(dataset), status=lifecycle.LOADING)
+        jobs.save(r, name, params, selection=selection, dataset=str(dataset), status=lifecycle.LOADING)
     # Chunks are stored by a sender thread while the next ones are read; on a resume only the
     # prompts the job does not know yet are encoded and sent (loader.py).
     book = shared_ledger()
@@ -99,23 +108,24 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
 
     state = lifecycle.RUNNING if existing is None or (existing.status == lifecycle.DONE and added) \
         else existing.status
-    job = jobs.save(r, name, params, gpus=gpus, dataset=str(dataset), status=state)
-    if existing is not None and gpus < existing.gpus:
-        back = sum(dispatch.withdraw(book, name, gpu, everything=True)
-                   for gpu in range(gpus, existing.gpus))
-        console.print(f"job {name}: now on gpu0..gpu{gpus - 1}; {back:,} prompts in flight on "
-                      f"gpu{gpus}..gpu{existing.gpus - 1} went back to pending")
+    job = jobs.save(r, name, params, selection=selection, dataset=str(dataset), status=state)
+    dropped = [g for g in dispatch.dispatched_gpus(r, name) if not selection.allows(g)]
+    if existing is not None and selection != existing.selection and dropped:
+        # take.lua gives these GPUs nothing more; what they hold goes to the GPUs kept.
+        back = sum(dispatch.withdraw(book, name, gpu, everything=True) for gpu in dropped)
+        console.print(f"job {name}: now on {selection.describe()}; {back:,} prompts in flight on "
+                      f"{', '.join(dropped)} went back to pending")
     if state == lifecycle.RUNNING:
-        for gpu in range(gpus):
-            dispatch.topup(app, book, get_settings(), name, gpu)
+        dispatch.topup_all(app, book, get_settings(), job)
     elif existing is not None and existing.status == lifecycle.PAUSED:
         err_console.print(f"job {name} stays paused: `manage.py resume --job {name}` dispatches it")
-    _print_enqueue_summary(r, job, summary, added, params, gpus)
+    _print_enqueue_summary(r, job, summary, added, params,
+                           dispatch.serving_gpus(book, get_settings(), job))
     if follow:
         _watch(r, name, until_done=True)
 
 
-def _print_enqueue_summary(r, job, summary, added, params, gpus) -> None:
+def _print_enqueue_summary(r, job, summary, added, params, serving: list[str]) -> None:
     from dflash_tasks.ledger import shared_ledger
 
     c = shared_ledger().counters(job.name)
@@ -130,7 +140,9 @@ def _print_enqueue_summary(r, job, summary, added, params, gpus) -> None:
         ("skipped (malformed)", len(summary.bad)), ("duplicate ids in dataset", summary.duplicates),
         ("new prompts queued", added), ("prompts in job", total), ("already done", done),
         ("failed", failed), ("remaining", max(0, total - done - failed)),
-        ("gpus", f"gpu0..gpu{gpus - 1}"),
+        ("gpus", f"{job.selection.describe()}: "
+                 + (f"{len(serving)} with a live worker now" if serving else
+                    "no live worker yet (each takes work when it starts)")),
         ("params", f"max_tokens={params.max_tokens} temperature={params.temperature} "
                    f"top_p={params.top_p} top_k={params.top_k} thinking={params.enable_thinking}"),
     ]:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields
 
 import redis
 
-from dflash_tasks.core.keys import JOBS, JobKeys, check_job_name
+from dflash_tasks.core.keys import JOBS, JobKeys, check_job_name, check_node_name, parse_gpu
 from dflash_tasks.core.lifecycle import STATES as STATUSES
 
 
@@ -40,11 +40,58 @@ class GenerationParams:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuSelection:
+    """The GPUs a job may use, among those registered now or later (a node that joins takes
+    work at once when it is selected): `gpus` is "all", a count N (the local indices 0 to N-1
+    on each node) or GPU names ("gpu0@a,gpu3@b"); `nodes`, when not empty, keeps only those
+    nodes' GPUs. take.lua checks the same rule in Redis."""
+    gpus: str = "all"
+    nodes: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, gpus: str | None = None, nodes: str | None = None) -> "GpuSelection":
+        """From `enqueue --gpus/--nodes`; raises ValueError naming the bad part."""
+        spec = (gpus or "all").strip()
+        if spec != "all" and not spec.isdigit():
+            names = [g.strip() for g in spec.split(",") if g.strip()]
+            bad = [g for g in names if parse_gpu(g) is None]
+            if not names or bad:
+                raise ValueError(f"--gpus takes `all`, a count N (gpu0..gpuN-1 of each node) or GPU "
+                                 f"names like gpu0@node-a,gpu1@node-a; not {', '.join(bad) or spec!r}")
+            spec = ",".join(dict.fromkeys(names))
+        elif spec.isdigit() and int(spec) < 1:
+            raise ValueError("--gpus N needs N >= 1")
+        node_names = tuple(dict.fromkeys(n.strip() for n in (nodes or "").split(",") if n.strip()))
+        for node in node_names:
+            check_node_name(node)
+        return cls(gpus=spec, nodes=node_names)
+
+    def allows(self, gpu: str) -> bool:
+        parsed = parse_gpu(gpu)
+        if parsed is None:
+            return False
+        index, node = parsed
+        if self.nodes and node not in self.nodes:
+            return False
+        if self.gpus == "all":
+            return True
+        if self.gpus.isdigit():
+            return index < int(self.gpus)
+        return gpu in self.gpus.split(",")
+
+    def describe(self) -> str:
+        what = {"all": "every GPU"}.get(self.gpus) or (
+            f"gpu0..gpu{int(self.gpus) - 1}" if self.gpus.isdigit() else self.gpus)
+        return what + (f" of node(s) {','.join(self.nodes)}" if self.nodes
+                       else " of every node" if self.gpus.isdigit() or self.gpus == "all" else "")
+
+
+@dataclass(frozen=True, slots=True)
 class Job:
     name: str
     params: GenerationParams
     status: str
-    gpus: int
+    selection: GpuSelection
     dataset: str
     created_at: float
 
@@ -59,18 +106,21 @@ def load(r: redis.Redis, name: str) -> Job | None:
         return None
     d = {k.decode(): v.decode() for k, v in raw.items()}
     return Job(name=name, params=GenerationParams.from_dict(json.loads(d["params"])),
-               status=d.get("status", "running"), gpus=int(d.get("gpus", 1)),
+               status=d.get("status", "running"),
+               selection=GpuSelection(gpus=d.get("gpus", "all"),
+                                      nodes=tuple(n for n in d.get("nodes", "").split(",") if n)),
                dataset=d.get("dataset", ""), created_at=float(d.get("created_at", 0)))
 
 
-def save(r: redis.Redis, name: str, params: GenerationParams, *, gpus: int, dataset: str,
-         status: str = "running") -> Job:
+def save(r: redis.Redis, name: str, params: GenerationParams, *, selection: GpuSelection,
+         dataset: str, status: str = "running") -> Job:
     """Create the job or update it (a resume with new parameters)."""
     k = JobKeys(check_job_name(name))
     pipe = r.pipeline()
     pipe.hsetnx(k.config, "created_at", time.time())
-    pipe.hset(k.config, mapping={"params": json.dumps(asdict(params)), "gpus": gpus,
-                                 "dataset": dataset, "status": status})
+    pipe.hset(k.config, mapping={"params": json.dumps(asdict(params)), "gpus": selection.gpus,
+                                 "nodes": ",".join(selection.nodes), "dataset": dataset,
+                                 "status": status})
     pipe.sadd(JOBS, name)
     pipe.execute()
     job = load(r, name)

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 PREFIX = "dflash"
 JOBS = f"{PREFIX}:jobs"          # set: every job name ever enqueued
-WORKERS = f"{PREFIX}:workers"    # hash: "gpu3" -> JSON {concurrency, hostname, url, seen_at}
-BREAKERS = f"{PREFIX}:breakers"  # hash: "gpu3" -> JSON {state, consecutive_failures, last_error, ...}
-SERVERS = f"{PREFIX}:servers"    # hash: "gpu3" -> JSON of its SGLang server's /metrics sample
-WORKERS_SEEN = f"{PREFIX}:workers:seen"  # hash: "gpu3" -> Redis time of the worker's last heartbeat
+# The GPU registry, each hash keyed by GPU name ("gpu3@node-a", gpu_name below):
+WORKERS = f"{PREFIX}:workers"    # hash: GPU -> JSON {concurrency, hostname, url, started_at}
+BREAKERS = f"{PREFIX}:breakers"  # hash: GPU -> JSON {state, consecutive_failures, last_error, ...}
+SERVERS = f"{PREFIX}:servers"    # hash: GPU -> JSON of its SGLang server's /metrics sample
+WORKERS_SEEN = f"{PREFIX}:workers:seen"  # hash: GPU -> Redis time of the worker's last heartbeat
 BEAT_SEEN = f"{PREFIX}:beat:seen"  # string: Redis time of beat's last tick (status: is beat running?)
 
 # Celery task and queue names: the contract between the processes that send and run messages
@@ -37,8 +38,38 @@ def check_job_name(name: str) -> str:
     return name
 
 
-def queue_for(gpu: int) -> str:
-    return f"gpu{gpu}"
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_GPU_NAME = re.compile(r"^gpu(\d{1,4})@([A-Za-z0-9][A-Za-z0-9_.-]{0,62})$")
+
+
+def check_node_name(name: str) -> str:
+    if not _NODE_NAME.match(name):
+        raise ValueError(f"invalid node name {name!r}: use letters, digits, '_', '.', '-' "
+                         "(at most 63, starting with a letter or digit)")
+    return name
+
+
+def gpu_name(node: str, index: int) -> str:
+    """A GPU's name, unique in the deployment: its local index on its node, as Celery names a
+    worker ("gpu3@node-a"). Its queue and its Celery worker bear the same name."""
+    return f"gpu{index}@{check_node_name(node)}"
+
+
+def parse_gpu(name: str) -> tuple[int, str] | None:
+    """(local index, node) of a GPU name; None for anything else (another queue)."""
+    m = _GPU_NAME.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def gpu_order(name: str) -> tuple[str, int]:
+    """Sort key: by node, then local index (gpu2 before gpu10)."""
+    index, node = parse_gpu(name) or (0, name)
+    return node, index
+
+
+def queue_for(gpu: str) -> str:
+    """A GPU's Celery queue: its name."""
+    return gpu
 
 
 @dataclass(frozen=True)
@@ -49,7 +80,7 @@ class JobKeys:
         return f"{PREFIX}:{{{self.job}}}:{name}"
 
     @property
-    def config(self) -> str:      # hash: params (JSON), status, gpus, dataset, created_at
+    def config(self) -> str:      # hash: params (JSON), status, gpus, nodes, dataset, created_at
         return self._k("config")
 
     @property
@@ -60,8 +91,12 @@ class JobKeys:
     def pending(self) -> str:     # list: ids not yet dispatched, in dataset order
         return self._k("pending")
 
-    def inflight(self, gpu: int) -> str:  # zset: ids dispatched to gpuN -> dispatch time
+    def inflight(self, gpu: str) -> str:  # zset: ids dispatched to the GPU -> dispatch time
         return self._k(f"inflight:{gpu}")
+
+    @property
+    def gpus(self) -> str:        # set: every GPU the job ever dispatched to (take.lua adds them)
+        return self._k("gpus")
 
     @property
     def every_key(self) -> str:   # SCAN pattern of every key of the job (they share its hash tag)

@@ -5,12 +5,15 @@ job and live in Redis, so `manage.py set` reaches every worker without a restart
 """
 from __future__ import annotations
 
+import socket
 from functools import lru_cache
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from dflash_tasks.core.keys import check_node_name, parse_gpu
 
 
 class Settings(BaseSettings):
@@ -23,8 +26,13 @@ class Settings(BaseSettings):
     # loses the whole ledger. True accepts that (a throw-away run).
     allow_no_persistence: bool = False
 
-    # The SGLang server a worker calls: DFLASH_SGLANG_URL pins it; otherwise the GPU index picks
-    # http://{sglang_host}:{sglang_base_port + gpu}, the layout workers/launch_node.py starts.
+    # This node's name: a GPU is named by its node and local index ("gpu3@node-a"), unique in the
+    # deployment, and so are its queue and its Celery worker. The host's short name by default.
+    node: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "localhost")
+
+    # The SGLang server a worker calls: DFLASH_SGLANG_URL pins it; otherwise the GPU's local
+    # index picks http://{sglang_host}:{sglang_base_port + index}, the layout
+    # workers/launch_node.py starts.
     sglang_url: str | None = None
     sglang_host: str = "127.0.0.1"
     sglang_base_port: int = 30000
@@ -135,6 +143,11 @@ class Settings(BaseSettings):
     # `manage.py flower`'s basic auth: user:password[,user2:password2]. A secret: never logged.
     flower_basic_auth: SecretStr | None = None
 
+    @field_validator("node")
+    @classmethod
+    def _node_name(cls, value: str) -> str:
+        return check_node_name(value)
+
     def training_dir(self) -> Path:
         return self.train_dir or self.output_dir / "training"
 
@@ -145,8 +158,10 @@ class Settings(BaseSettings):
         return (self.connect_timeout_s + self.request_timeout_s + self.retry_cap_s
                 + self.breaker_wait_s)
 
-    def sglang_url_for(self, gpu: int) -> str:
-        return self.sglang_url or f"http://{self.sglang_host}:{self.sglang_base_port + gpu}"
+    def sglang_url_for(self, gpu: str) -> str:
+        """The server of a GPU of this node, by its name ("gpu3@node-a")."""
+        index, _ = parse_gpu(gpu) or (0, "")
+        return self.sglang_url or f"http://{self.sglang_host}:{self.sglang_base_port + index}"
 
 
 @lru_cache(maxsize=1)

@@ -15,7 +15,7 @@ import redis
 from celery import Celery
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import GENERATE_TASK, WORKERS, WORKERS_SEEN, JobKeys, queue_for
+from dflash_tasks.core.keys import GENERATE_TASK, WORKERS, WORKERS_SEEN, JobKeys, gpu_order, parse_gpu, queue_for
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger import Ledger
 
@@ -23,18 +23,52 @@ UNACKED = "unacked"   # kombu's Redis transport: delivered, not yet acknowledged
 log = logging.getLogger(__name__)
 
 
-def worker_concurrency(r: redis.Redis, s: Settings, gpu: int) -> int:
+def registered_gpus(r: redis.Redis) -> list[str]:
+    """Every GPU whose worker ever registered (hooks.py), alive or not, by node and index."""
+    return sorted((name for raw in r.hkeys(WORKERS)
+                   if parse_gpu(name := raw.decode(errors="replace"))), key=gpu_order)
+
+
+def dispatched_gpus(r: redis.Redis, job: str) -> list[str]:
+    """Every GPU the job ever dispatched to (take.lua records them), by node and index."""
+    return sorted((g.decode(errors="replace") for g in r.smembers(JobKeys(job).gpus)), key=gpu_order)
+
+
+def job_gpus(r: redis.Redis, job: jobs.Job) -> list[str]:
+    """The GPUs a job shows and looks after: those it ever dispatched to (where its prompts may
+    be, whether it still uses them or not) and the registered ones its selection allows (where
+    they may go)."""
+    known = set(dispatched_gpus(r, job.name))
+    known.update(g for g in registered_gpus(r) if job.selection.allows(g))
+    return sorted(known, key=gpu_order)
+
+
+def serving_gpus(book: Ledger, s: Settings, job: jobs.Job) -> list[str]:
+    """The GPUs that take the job's work now: allowed by its selection, their worker alive."""
+    allowed = [g for g in job_gpus(book.r, job) if job.selection.allows(g)]
+    gone = gone_gpus(book.r, allowed, s.worker_gone_after_s)
+    return [g for g in allowed if g not in gone]
+
+
+def topup_all(app: Celery, book: Ledger, s: Settings, job: jobs.Job) -> int:
+    """Fill the window of every GPU serving the job (an enqueue, a resume, a retry); returns how
+    many tasks were published. GPUs that register later are filled by their worker at start-up
+    and by beat's maintain."""
+    return sum(topup(app, book, s, job.name, gpu) for gpu in serving_gpus(book, s, job))
+
+
+def worker_concurrency(r: redis.Redis, s: Settings, gpu: str) -> int:
     """The concurrency the GPU's worker registered at start-up (one HGET: a refill follows a
     request of seconds, and a worker restarted with another concurrency counts at once)."""
     raw = r.hget(WORKERS, queue_for(gpu))
     return json.loads(raw)["concurrency"] if raw else s.default_concurrency
 
 
-def window_for(r: redis.Redis, s: Settings, gpu: int) -> int:
+def window_for(r: redis.Redis, s: Settings, gpu: str) -> int:
     return max(1, math.ceil(worker_concurrency(r, s, gpu) * s.window_factor))
 
 
-def publish(app: Celery, job: str, gpu: int, prompt_ids: list[str]) -> None:
+def publish(app: Celery, job: str, gpu: str, prompt_ids: list[str]) -> None:
     if not prompt_ids:
         return
     with app.producer_or_acquire() as producer:
@@ -43,21 +77,17 @@ def publish(app: Celery, job: str, gpu: int, prompt_ids: list[str]) -> None:
                           producer=producer)
 
 
-def topup(app: Celery, book: Ledger, s: Settings, job: str, gpu: int) -> int:
-    """Fill gpu's window for job from pending; returns how many tasks were published.
+def topup(app: Celery, book: Ledger, s: Settings, job: str, gpu: str) -> int:
+    """Fill gpu's window for job from pending, if the job's selection allows the GPU; returns
+    how many tasks were published.
 
     One round trip: take.lua moves the ids to the GPU's in-flight set and LPUSHes their Celery
     messages in the same call (no kombu publish, no task-sent event per refill). Once pending is
     empty, a GPU with an empty queue takes one waiting prompt from the longest other queue of the
     job (see take.lua): the end of a run is not spent waiting for the slowest GPU's backlog."""
-    ids = book.take(job, gpu, window_for(book.r, s, gpu), gpus=job_gpus(book.r, job),
-                    task=GENERATE_TASK, origin=_origin(), reply_to=app.thread_oid)
+    ids = book.take(job, gpu, window_for(book.r, s, gpu), task=GENERATE_TASK, origin=_origin(),
+                    reply_to=app.thread_oid)
     return len(ids)
-
-
-def job_gpus(r: redis.Redis, job: str) -> int:
-    """How many GPU queues the job uses (one HGET, like the worker concurrency)."""
-    return int(r.hget(JobKeys(job).config, "gpus") or 1)
 
 
 @lru_cache(maxsize=1)
@@ -72,13 +102,12 @@ def withdraw_cancelled(book: Ledger, name: str) -> int:
     on): its messages still queued are withdrawn, requests already running finish and are kept.
     The prompts not generated stay in the job, counted in its total, so `resume` finishes them
     all. Returns how many wait."""
-    job = jobs.load(book.r, name)
-    for gpu in range(job.gpus if job else 0):
+    for gpu in dispatched_gpus(book.r, name):
         withdraw(book, name, gpu, everything=False)
     return int(book.r.llen(JobKeys(name).pending))
 
 
-def withdraw(book: Ledger, job: str, gpu: int, *, everything: bool) -> int:
+def withdraw(book: Ledger, job: str, gpu: str, *, everything: bool) -> int:
     """Remove `job`'s queued messages from `gpu`'s queue and put their prompts back in front of
     pending; with `everything` (a GPU the job no longer uses), also the prompts whose messages a
     worker already holds. Requests already running finish either way (the ledger keeps one row).
@@ -88,7 +117,7 @@ def withdraw(book: Ledger, job: str, gpu: int, *, everything: bool) -> int:
     return back + (book.recall(job, gpu) if everything else 0)
 
 
-def _remove_queued(r: redis.Redis, job: str, gpu: int, only: set[str] | None = None) -> list[str]:
+def _remove_queued(r: redis.Redis, job: str, gpu: str, only: set[str] | None = None) -> list[str]:
     """Take `job`'s messages (those of the ids in `only`, if given) out of `gpu`'s queue; returns
     the ids whose message this call removed (a worker may pop one first)."""
     queue = queue_for(gpu)
@@ -100,7 +129,7 @@ def _remove_queued(r: redis.Redis, job: str, gpu: int, only: set[str] | None = N
     return removed
 
 
-def reap(app: Celery, book: Ledger, s: Settings, job: str, gpu: int,
+def reap(app: Celery, book: Ledger, s: Settings, job: str, gpu: str,
          unacked: "UnackedLook | None" = None) -> int:
     """Dispatch again the prompts in flight on `gpu` whose message is gone; returns how many.
 
@@ -118,7 +147,7 @@ def reap(app: Celery, book: Ledger, s: Settings, job: str, gpu: int,
                                                  num=10_000)}
     lost = find_lost(r, job, gpu, s.lost_message_grace_s, unacked or UnackedLook(r)) - stale
     if lost:
-        log.warning("job %s gpu%d: %d prompt(s) in flight without a message anywhere "
+        log.warning("job %s %s: %d prompt(s) in flight without a message anywhere "
                     "(a broker crash lost them); dispatching them again", job, gpu, len(lost))
     again = sorted(stale | lost)
     if again:
@@ -127,7 +156,7 @@ def reap(app: Celery, book: Ledger, s: Settings, job: str, gpu: int,
     return len(again)
 
 
-def find_lost(r: redis.Redis, job: str, gpu: int, grace_s: float,
+def find_lost(r: redis.Redis, job: str, gpu: str, grace_s: float,
               unacked: "UnackedLook") -> set[str]:
     """Ids in flight on `gpu` for `grace_s` or more whose task message is neither in the GPU's
     queue nor unacknowledged in any worker (ETA retries included), on two looks."""
@@ -162,8 +191,8 @@ class UnackedLook:
         return self._ids
 
 
-def messages_present(r: redis.Redis, job: str, gpu: int, unacked: set[tuple[str, str]]) -> set[str]:
-    """Prompt ids of `job` with a generate message in queue gpuN or among `unacked`."""
+def messages_present(r: redis.Redis, job: str, gpu: str, unacked: set[tuple[str, str]]) -> set[str]:
+    """Prompt ids of `job` with a generate message in the GPU's queue or among `unacked`."""
     present = {pid for j, pid in map(_job_and_id, r.lrange(queue_for(gpu), 0, -1)) if j == job}
     return present | {pid for j, pid in unacked if j == job}
 
@@ -214,19 +243,19 @@ def restore_unheld(app: Celery, r: redis.Redis, queues: list[str], held: set[str
     return len(tags)
 
 
-def waiting_retries(r: redis.Redis, job: str) -> dict[int, list[str]]:
+def waiting_retries(r: redis.Redis, job: str) -> dict[str, list[str]]:
     """gpu -> ids of `job` whose retry message waits for its ETA in a worker (unacknowledged),
     for status's accounting. Candidates only: the caller intersects them
     with the in-flight sets in the same transaction as its other reads."""
     now = time.time()
-    waiting: dict[int, list[str]] = {}
+    waiting: dict[str, list[str]] = {}
     for _, payload, _, routing_key in _unacked(r):
         _collect_waiting(payload, routing_key, job, now, waiting)
     return waiting
 
 
-def _collect_waiting(payload, queue: str, job: str, now: float, into: dict[int, list[str]]) -> None:
-    if not (isinstance(queue, str) and queue.startswith("gpu") and queue[3:].isdigit()):
+def _collect_waiting(payload, queue: str, job: str, now: float, into: dict[str, list[str]]) -> None:
+    if not (isinstance(queue, str) and parse_gpu(queue)):
         return
     eta = (payload.get("headers") or {}).get("eta") if isinstance(payload, dict) else None
     if not eta:
@@ -237,20 +266,24 @@ def _collect_waiting(payload, queue: str, job: str, now: float, into: dict[int, 
         return
     job_of, prompt_id = _job_and_id(payload)
     if job_of == job and due > now:
-        into.setdefault(int(queue[3:]), []).append(prompt_id)
+        into.setdefault(queue, []).append(prompt_id)
 
 
-def gone_gpus(r: redis.Redis, gpus: range, after_s: float) -> set[int]:
-    """The GPUs among `gpus` whose worker has not stamped its heartbeat (heartbeat.py) for
-    `after_s`, or never did, or stopped cleanly (which removes the stamp)."""
+def gone_gpus(r: redis.Redis, gpus: list[str], after_s: float) -> dict[str, float]:
+    """The GPUs among `gpus` without a live worker, each with the age past which the prompts
+    dispatched to it go back to pending (drain_gone): `after_s` for a worker that has not
+    stamped its heartbeat (heartbeat.py) for `after_s` (killed, its node lost: a restart may yet
+    come back to its queue), 0 for one that stopped cleanly (which removes the stamp: a node
+    leaving, a warm stop) or never stamped it. A worker restarted cleanly takes new work at once."""
     seconds, micros = r.time()
     now = seconds + micros / 1e6
     stamps = r.hmget(WORKERS_SEEN, [queue_for(g) for g in gpus]) if gpus else []
-    return {g for g, stamp in zip(gpus, stamps) if stamp is None or now - float(stamp) > after_s}
+    return {g: 0.0 if stamp is None else after_s for g, stamp in zip(gpus, stamps)
+            if stamp is None or now - float(stamp) > after_s}
 
 
-def drain_gone(book: Ledger, job: str, gpu: int, older_than_s: float) -> int:
-    """A GPU whose worker is gone (no heartbeat for `older_than_s`, or none ever): put the prompts
+def drain_gone(book: Ledger, job: str, gpu: str, older_than_s: float) -> int:
+    """A GPU whose worker is gone (gone_gpus says so, and says `older_than_s`): put the prompts
     dispatched to it more than `older_than_s` ago back in front of pending, withdrawing their
     queued messages, so the job's other GPUs generate them. A message the dead worker still held
     comes back with it, finds its prompt no longer in flight there, and is skipped. Returns how

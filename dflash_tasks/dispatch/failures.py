@@ -40,8 +40,8 @@ def record_class(record: dict) -> str:
         else "permanent"
 
 
-def matches(record: dict, reason: str | None, gpu: int | None) -> bool:
-    if gpu is not None and record.get("gpu") != gpu:
+def matches(record: dict, reason: str | None, gpu: str | None) -> bool:
+    if gpu is not None and str(record.get("gpu")) != gpu:
         return False
     if reason is None:
         return True
@@ -78,7 +78,7 @@ def summary(book: Ledger, job: str) -> dict:
         reasons[reason] = {
             "class": record_class(records[0]),
             "count": len(records),
-            "gpus": dict(sorted(Counter(f"gpu{rec.get('gpu')}" for rec in records).items())),
+            "gpus": dict(sorted(Counter(str(rec.get("gpu")) for rec in records).items())),
             "errors": [{"error": e, "count": n} for e, n in errors.most_common(5)],
             "prompts": records,
         }
@@ -123,7 +123,7 @@ class RetryReport:
 
 
 def retry_failed(app: Celery, book: Ledger, s: Settings, job: str, *, reason: str | None = None,
-                 gpu: int | None = None, dry_run: bool = False) -> RetryReport:
+                 gpu: str | None = None, dry_run: bool = False) -> RetryReport:
     r = book.r
     info = jobs.load(r, job)
     if info is None:
@@ -154,8 +154,7 @@ def retry_failed(app: Celery, book: Ledger, s: Settings, job: str, *, reason: st
         if report.status == "done" and jobs.transition(r, job, "done", "running"):
             report.status = "running"  # the lifecycle: a done job with work again runs
         if report.status == "running":
-            for g in range(info.gpus):
-                report.dispatched += dispatch.topup(app, book, s, job, g)
+            report.dispatched += dispatch.topup_all(app, book, s, info)
     return report
 
 

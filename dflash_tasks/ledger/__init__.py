@@ -62,18 +62,17 @@ class Ledger:
 
     # -- dispatch --------------------------------------------------------------------------------
 
-    def take(self, job: str, gpu: int, window: int, *, gpus: int, task: str, origin: str,
+    def take(self, job: str, gpu: str, window: int, *, task: str, origin: str,
              reply_to: str) -> list[str]:
         """Top gpu's window up from pending and publish a `task` message per id taken onto its
-        queue, in one call; at the end of the run, steal from the job's other `gpus` (take.lua).
-        Returns the ids taken."""
+        queue, in one call; at the end of the run, steal from the job's other GPUs (take.lua).
+        Nothing when the job's GPU selection does not allow `gpu`. Returns the ids taken."""
         k = JobKeys(job)
-        others = [key for g in range(gpus) if g != gpu for key in (queue_for(g), k.inflight(g))]
-        ids = self._scripts["take"](keys=[k.config, k.pending, k.inflight(gpu), queue_for(gpu), *others],
-                                    args=[window, job, gpu, task, origin, reply_to])
+        ids = self._scripts["take"](keys=[k.config, k.pending, k.inflight(gpu), k.gpus, queue_for(gpu)],
+                                    args=[window, job, gpu, task, origin, reply_to, k.inflight("")])
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
-    def task_state(self, job: str, prompt_id: str, gpu: int) -> TaskState:
+    def task_state(self, job: str, prompt_id: str, gpu: str) -> TaskState:
         k = JobKeys(job)
         pipe = self.r.pipeline(transaction=False)
         pipe.hget(k.config, "params")
@@ -101,15 +100,15 @@ class Ledger:
             args=[row["id"], entry_json, int(meta["prompt_tokens"]), out, meta["finish_reason"],
                   meta["gpu"], out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, continued_tokens]))
 
-    def recall(self, job: str, gpu: int, ids: Sequence[str] = ()) -> int:
+    def recall(self, job: str, gpu: str, ids: Sequence[str] = ()) -> int:
         """Put prompts in flight on `gpu` (`ids`, or all) back in front of pending (recall.lua)."""
         k = JobKeys(job)
         return int(self._scripts["recall"](keys=[k.inflight(gpu), k.pending, k.done], args=list(ids)))
 
-    def drop_inflight(self, job: str, gpu: int, prompt_id: str) -> None:
+    def drop_inflight(self, job: str, gpu: str, prompt_id: str) -> None:
         self.r.zrem(JobKeys(job).inflight(gpu), prompt_id)
 
-    def restamp_inflight(self, job: str, gpu: int, ids: Sequence[str], at: float) -> None:
+    def restamp_inflight(self, job: str, gpu: str, ids: Sequence[str], at: float) -> None:
         """Dispatched again now (the reaper): their in-flight time restarts; an id that left the
         set meanwhile (its outcome arrived) is not put back."""
         if ids:
@@ -117,29 +116,29 @@ class Ledger:
 
     # -- outcomes --------------------------------------------------------------------------------
 
-    def complete(self, job: str, prompt_id: str, gpu: int, row: dict, *, gpus: int,
+    def complete(self, job: str, prompt_id: str, gpu: str, row: dict, *,
                  rate_bucket_s: int = 10) -> bool:
-        """Record a finished row exactly once. False when it was a duplicate delivery. `gpus`:
-        how many GPUs the job uses (a recalled prompt may wait on another one)."""
+        """Record a finished row exactly once. False when it was a duplicate delivery. A
+        recalled prompt waiting in pending or on another of the job's GPUs is taken out there."""
         k = JobKeys(job)
         meta = row["metadata"]
         out = int(meta["completion_tokens"])
         return bool(self._scripts["complete"](
             keys=[k.done, k.inflight(gpu), k.prompts, k.failed, k.counters, k.rate, k.output,
-                  k.pending, k.config, *_other_inflights(k, gpu, gpus)],
+                  k.pending, k.config, k.gpus],
             args=[prompt_id, json.dumps(row, ensure_ascii=False, separators=(",", ":")),
                   int(meta["prompt_tokens"]), out, meta["finish_reason"], gpu, rate_bucket_s,
-                  out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS]))
+                  out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, k.inflight("")]))
 
-    def fail(self, job: str, prompt_id: str, gpu: int, record: dict, *, gpus: int) -> bool:
+    def fail(self, job: str, prompt_id: str, gpu: str, record: dict) -> bool:
         """Enter a prompt in the failed registry. False when it was done or already failed."""
         k = JobKeys(job)
         return bool(self._scripts["fail"](
             keys=[k.done, k.inflight(gpu), k.failed, k.counters, k.failures, k.pending, k.config,
-                  *_other_inflights(k, gpu, gpus)],
-            args=[prompt_id, json.dumps(record, ensure_ascii=False)]))
+                  k.gpus],
+            args=[prompt_id, json.dumps(record, ensure_ascii=False), gpu, k.inflight("")]))
 
-    def note_retry(self, job: str, prompt_id: str, gpu: int, reason: str) -> bool:
+    def note_retry(self, job: str, prompt_id: str, gpu: str, reason: str) -> bool:
         """Count a retry and refresh the prompt's in-flight mark. False when it is already done."""
         k = JobKeys(job)
         return bool(self._scripts["retry"](keys=[k.done, k.inflight(gpu), k.counters, k.config],
@@ -183,10 +182,6 @@ class Ledger:
     def counters(self, job: str) -> dict[str, int]:
         raw = self.r.hgetall(JobKeys(job).counters)
         return {_s(k): int(v) for k, v in raw.items()}
-
-
-def _other_inflights(k: JobKeys, gpu: int, gpus: int) -> list[str]:
-    return [k.inflight(g) for g in range(gpus) if g != gpu]
 
 
 def _s(value: bytes | str) -> str:

@@ -1,8 +1,8 @@
 -- Record a finished prompt exactly once: done mark, counters and output row in one atomic step,
 -- so the counters always equal what the output holds, whatever is delivered twice.
--- KEYS: done, inflight(gpu), prompts, failed, counters, rate, output, pending, config,
---       inflight(k) for the job's other GPUs k
--- ARGV: id, row_json, input_tokens, output_tokens, finish_reason, gpu, rate_bucket_s, hist_bucket
+-- KEYS: done, inflight(gpu), prompts, failed, counters, rate, output, pending, config, gpus
+-- ARGV: id, row_json, input_tokens, output_tokens, finish_reason, gpu, rate_bucket_s, hist_bucket,
+--       inflight_prefix
 -- Returns 1 when recorded, 0 when the id was already done (a duplicate delivery) or the job was
 -- deleted while the request ran (nothing is written: its keys stay gone).
 local id = ARGV[1]
@@ -17,7 +17,7 @@ redis.call('HDEL', KEYS[3], id)
 if redis.call('HDEL', KEYS[4], id) == 1 then
   redis.call('HINCRBY', KEYS[5], 'failed', -1)
 elseif was_here == 0 then
-  forget_elsewhere(id, KEYS[8], 10)
+  forget_elsewhere(id, KEYS[8], KEYS[10], ARGV[9], ARGV[6])
 end
 local input_tokens, output_tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
 local gpu = 'gpu:' .. ARGV[6] .. ':'
@@ -33,8 +33,8 @@ local bucket = now - now % tonumber(ARGV[7])
 redis.call('HINCRBY', KEYS[6], 'c:' .. bucket, 1)
 redis.call('HINCRBY', KEYS[6], 't:' .. bucket, output_tokens)
 redis.call('HINCRBY', KEYS[6], 'i:' .. bucket, input_tokens)
-redis.call('HINCRBY', KEYS[6], 'g' .. ARGV[6] .. ':c:' .. bucket, 1)
-redis.call('HINCRBY', KEYS[6], 'g' .. ARGV[6] .. ':t:' .. bucket, output_tokens)
+redis.call('HINCRBY', KEYS[6], ARGV[6] .. ':c:' .. bucket, 1)
+redis.call('HINCRBY', KEYS[6], ARGV[6] .. ':t:' .. bucket, output_tokens)
 redis.call('HSETNX', KEYS[5], 'first_completed_at', now)
 redis.call('HSET', KEYS[5], 'last_completed_at', now)
 redis.call('XADD', KEYS[7], '*', 'id', id, 'row', ARGV[2])

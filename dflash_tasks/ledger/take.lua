@@ -1,38 +1,39 @@
--- Top one GPU's window up: move ids from pending to that GPU's in-flight set.
--- KEYS: config, pending, inflight(gpu) [, queue(gpu) [, queue(k), inflight(k) for other GPUs k]]
--- ARGV: window [, job, gpu, task name, origin, reply_to]
--- Returns the ids taken; none unless the job is running.
+-- Top one GPU's window up: move ids from pending to that GPU's in-flight set, and publish their
+-- Celery task messages onto its queue.
+-- KEYS: config, pending, inflight(gpu), gpus, queue(gpu)
+-- ARGV: window, job, gpu, task name, origin, reply_to, inflight_prefix
+-- Returns the ids taken; none unless the job is running and its GPU selection allows this GPU.
 --
--- With the queue and the message fields (dispatch.topup), it also publishes one Celery task
--- message per id, LPUSHed exactly where kombu's Redis transport would put it, so a refill costs
--- one round trip instead of a take plus a publish (and a task-sent event) per id. The messages
+-- The messages are LPUSHed exactly where kombu's Redis transport would put them, so a refill
+-- costs one round trip instead of a take plus a publish (and a task-sent event) per id. They
 -- are Celery protocol 2 with a plain JSON body (no body_encoding: kombu then reads the body as
 -- it is); their task ids and delivery tags are unique per job (a per-job counter, hashed).
 -- The queues are the only keys outside the job's hash slot: Celery's Redis broker does not run
--- on a Redis Cluster anyway.
+-- on a Redis Cluster anyway. A GPU's queue bears its name (keys.py's queue_for), and its
+-- in-flight set is inflight_prefix .. its name.
 --
 -- The end game: once pending is empty, a GPU whose own queue is empty takes one waiting
--- message from the longest queue of another GPU (the newest one there: the last that GPU would
--- have started), so the prompts already queued behind a slow GPU finish on whichever GPU frees
--- a slot first instead of waiting for the slow one. Only this job's messages published here are
--- moved (not retries, which carry their attempt count).
+-- message from the longest queue of another of the job's GPUs (the newest one there: the last
+-- that GPU would have started), so the prompts already queued behind a slow GPU finish on
+-- whichever GPU frees a slot first instead of waiting for the slow one. Only this job's
+-- messages published here are moved (not retries, which carry their attempt count).
 local function steal()
-  local job, task = ARGV[2], ARGV[4]
+  local job, gpu, task, inflight_prefix = ARGV[2], ARGV[3], ARGV[4], ARGV[7]
   local skip = {}
   while true do
     local best, best_len = nil, 0
-    for j = 5, #KEYS, 2 do
-      if not skip[j] then
-        local len = redis.call('LLEN', KEYS[j])
+    for _, other in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+      if other ~= gpu and not skip[other] then
+        local len = redis.call('LLEN', other)
         if len > best_len then
-          best, best_len = j, len
+          best, best_len = other, len
         end
       end
     end
     if best == nil then
       return nil
     end
-    local raw = redis.call('LPOP', KEYS[best])
+    local raw = redis.call('LPOP', best)
     local id = nil
     local ok, msg = pcall(cjson.decode, raw)
     if ok and type(msg) == 'table' and type(msg.properties) == 'table' and type(msg.headers) == 'table'
@@ -44,20 +45,44 @@ local function steal()
         id = body[1][2]
       end
     end
-    if id ~= nil and redis.call('ZREM', KEYS[best + 1], id) == 1 then
+    if id ~= nil and redis.call('ZREM', inflight_prefix .. best, id) == 1 then
       return id
     end
-    redis.call('LPUSH', KEYS[best], raw)  -- not ours to move: back where it was
+    redis.call('LPUSH', best, raw)  -- not ours to move: back where it was
     skip[best] = true
   end
+end
+
+-- The job's GPU selection (core/jobs.py's GpuSelection.allows says the same): config `nodes`,
+-- a comma-separated list (empty: every node), and `gpus`: "all", a count N (local indices 0 to
+-- N-1 on each node), or a comma-separated list of GPU names.
+local function allowed(gpu)
+  local index, node = string.match(gpu, '^gpu(%d+)@(.+)$')
+  if index == nil then
+    return false
+  end
+  local nodes = redis.call('HGET', KEYS[1], 'nodes')
+  if nodes and nodes ~= '' and not string.find(',' .. nodes .. ',', ',' .. node .. ',', 1, true) then
+    return false
+  end
+  local gpus = redis.call('HGET', KEYS[1], 'gpus') or 'all'
+  if gpus == 'all' then
+    return true
+  end
+  local count = tonumber(gpus)
+  if count then
+    return tonumber(index) < count
+  end
+  return string.find(',' .. gpus .. ',', ',' .. gpu .. ',', 1, true) ~= nil
 end
 
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then
   return {}
 end
--- A GPU the job no longer uses (an enqueue with fewer --gpus) takes nothing: its worker still
--- refills after each of the job's requests it finishes there.
-if ARGV[3] ~= nil and tonumber(ARGV[3]) >= tonumber(redis.call('HGET', KEYS[1], 'gpus') or '1') then
+-- A GPU the job does not use (not selected, or no longer: an enqueue with another --gpus or
+-- --nodes) takes nothing: its worker still refills after each of the job's requests it
+-- finishes there.
+if not allowed(ARGV[3]) then
   return {}
 end
 local room = tonumber(ARGV[1]) - redis.call('ZCARD', KEYS[3])
@@ -67,7 +92,7 @@ end
 local ids = redis.call('LPOP', KEYS[2], room)
 if not ids then
   ids = {}
-  if KEYS[5] ~= nil and redis.call('LLEN', KEYS[4]) == 0 then
+  if redis.call('LLEN', KEYS[5]) == 0 then
     local stolen = steal()
     if stolen then
       ids[1] = stolen
@@ -84,11 +109,9 @@ for i, id in ipairs(ids) do
   scored[2 * i] = id
 end
 redis.call('ZADD', KEYS[3], unpack(scored))
-if KEYS[4] == nil then
-  return ids
-end
+redis.call('SADD', KEYS[4], ARGV[3])  -- known to the job: searched by outcomes, the reaper, status
 
-local job, gpu, task, origin, reply_to = ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]
+local job, gpu, task, origin, reply_to = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local seq = redis.call('HINCRBY', KEYS[1], 'dispatch_seq', #ids) - #ids
 local null = cjson.null
 local function uuid(text)
@@ -110,14 +133,14 @@ for i, id in ipairs(ids) do
       lang = 'py', task = task, id = task_id, shadow = null, eta = null, expires = null,
       group = null, group_index = null, retries = 0, timelimit = {null, null},
       root_id = task_id, parent_id = null,
-      argsrepr = "('" .. job .. "', '" .. id .. "', " .. ARGV[3] .. ")", kwargsrepr = '{}',
+      argsrepr = "('" .. job .. "', '" .. id .. "', '" .. gpu .. "')", kwargsrepr = '{}',
       origin = origin, ignore_result = false, replaced_task_nesting = 0,
       stamped_headers = null, stamps = {}},
     ['properties'] = {
       correlation_id = task_id, reply_to = reply_to, delivery_mode = 2,
-      delivery_info = {exchange = '', routing_key = KEYS[4]}, priority = 0,
+      delivery_info = {exchange = '', routing_key = KEYS[5]}, priority = 0,
       delivery_tag = uuid(salt .. 'tag')},
   })
 end
-redis.call('LPUSH', KEYS[4], unpack(messages))
+redis.call('LPUSH', KEYS[5], unpack(messages))
 return ids

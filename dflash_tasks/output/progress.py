@@ -27,7 +27,7 @@ import redis
 
 from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import BEAT_SEEN, SERVERS, WORKERS, WORKERS_SEEN, JobKeys
+from dflash_tasks.core.keys import BEAT_SEEN, SERVERS, WORKERS, WORKERS_SEEN, JobKeys, parse_gpu
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger.histogram import length_percentile, nearest_rank
 from dflash_tasks.output.batches import latency_bucket_ms
@@ -49,14 +49,14 @@ ALIASES = {
 
 # -- read ----------------------------------------------------------------------------------------
 
-def rate_series(gpus: int) -> list[str]:
+def rate_series(gpus: list[str]) -> list[str]:
     """The series complete.lua counts in the rate hash, each as "<series>:<bucket>": the job's
     completions ("c"), output tokens ("t") and input tokens ("i"), and per GPU its completions
-    and output tokens ("g<N>:c", "g<N>:t")."""
-    return ["c", "t", "i", *(f"g{gpu}:{kind}" for gpu in range(gpus) for kind in ("c", "t"))]
+    and output tokens ("<gpu>:c", "<gpu>:t")."""
+    return ["c", "t", "i", *(f"{gpu}:{kind}" for gpu in gpus for kind in ("c", "t"))]
 
 
-def rate_fields(bucket: int, gpus: int) -> list[str]:
+def rate_fields(bucket: int, gpus: list[str]) -> list[str]:
     """Every field complete.lua writes into the rate hash for one bucket."""
     return [f"{series}:{bucket}" for series in rate_series(gpus)]
 
@@ -65,17 +65,18 @@ def rate_fields(bucket: int, gpus: int) -> list[str]:
 class Reads:
     """Everything one snapshot reads, decoded, by name."""
     job: jobs.Job
+    gpus: list[str]                  # the job's GPUs (dispatch.job_gpus), by node and index
     now: float                       # Redis's clock, in seconds
     window_start: int                # the first rate bucket of the window
     window: dict[str, int]           # rate series (rate_series) -> its sum over the window
     counters: dict[str, int]         # the job's counters hash
     pending: int                     # prompts not yet dispatched
     unsealed_rows: int               # rows in the output stream, not yet sealed into a batch
-    in_flight_set: list[int]         # per GPU: its in-flight set's size, retries waiting included
-    retry_waiting: list[int]         # per GPU: retries waiting for their ETA in a worker
-    workers: dict[str, dict]         # "gpuN" -> the worker's registration
-    heartbeats: dict[str, float]     # "gpuN" -> Redis time of the worker's last heartbeat
-    servers: dict[str, dict]         # "gpuN" -> its SGLang server's /metrics sample
+    in_flight_set: dict[str, int]    # GPU -> its in-flight set's size, retries waiting included
+    retry_waiting: dict[str, int]    # GPU -> retries waiting for their ETA in a worker
+    workers: dict[str, dict]         # GPU -> the worker's registration
+    heartbeats: dict[str, float]     # GPU -> Redis time of the worker's last heartbeat
+    servers: dict[str, dict]         # GPU -> its SGLang server's /metrics sample
     beat_seen: float | None          # Redis time of beat's last tick
     sealing_batch: str | None        # the batch being sealed
     storage_error: dict[str, str]    # empty while storage works
@@ -108,14 +109,15 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
     now = seconds + micros / 1e6
     window_start = now - s.rate_window_s
     buckets = range(int(window_start - window_start % RATE_BUCKET_S), int(now) + 1, RATE_BUCKET_S)
-    series = rate_series(job.gpus)
+    gpus = dispatch.job_gpus(r, job)
+    series = rate_series(gpus)
     rate_keys = [f"{one}:{bucket}" for one in series for bucket in buckets]
 
     # Retries waiting for their ETA are in flight too; which of them still are is read in the
     # same transaction as every count, so pending + in flight + waiting + completed + failed
     # equals the total at that instant (each ledger script is atomic).
     waiting_candidates = dispatch.waiting_retries(r, name)
-    retrying_gpus = [g for g in range(job.gpus) if waiting_candidates.get(g)]
+    retrying_gpus = [g for g in gpus if waiting_candidates.get(g)]
     multi = _NamedMulti(r)
     multi.named("counters").hgetall(k.counters)
     multi.named("pending").llen(k.pending)
@@ -127,7 +129,7 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
     multi.named("heartbeats").hgetall(WORKERS_SEEN)
     multi.named("servers").hgetall(SERVERS)
     multi.named("beat_seen").get(BEAT_SEEN)
-    for gpu in range(job.gpus):
+    for gpu in gpus:
         multi.named(("in_flight", gpu)).zcard(k.inflight(gpu))
     for gpu in retrying_gpus:
         multi.named(("waiting", gpu)).zmscore(k.inflight(gpu), waiting_candidates[gpu])
@@ -138,7 +140,7 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
     window = dict.fromkeys(series, 0)
     for field, value in zip(rate_keys, got["rate"], strict=True):
         window[field.rsplit(":", 1)[0]] += int(value or 0)
-    retry_waiting = [0] * job.gpus
+    retry_waiting = dict.fromkeys(gpus, 0)
     for gpu in retrying_gpus:  # the candidates still in flight there
         scores = got[("waiting", gpu)]
         retry_waiting[gpu] = len({i for i, score in zip(waiting_candidates[gpu], scores)
@@ -146,13 +148,14 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
     sealing, beat_seen, quality = got["sealing"], got["beat_seen"], got["quality"]
     return Reads(
         job=job,
+        gpus=gpus,
         now=now,
         window_start=buckets[0],
         window=window,
         counters={key.decode(): int(v) for key, v in got["counters"].items()},
         pending=got["pending"],
         unsealed_rows=got["unsealed"],
-        in_flight_set=[got[("in_flight", gpu)] for gpu in range(job.gpus)],
+        in_flight_set={gpu: got[("in_flight", gpu)] for gpu in gpus},
         retry_waiting=retry_waiting,
         workers={key.decode(): json.loads(v) for key, v in got["workers"].items()},
         heartbeats={key.decode(): float(v) for key, v in got["heartbeats"].items()},
@@ -202,7 +205,7 @@ def remaining(reads: Reads) -> int:
     return max(0, count(reads, "total") - count(reads, "completed") - count(reads, "failed"))
 
 
-def in_flight(reads: Reads, gpu: int) -> int:
+def in_flight(reads: Reads, gpu: str) -> int:
     """Sent, or queued to be sent: the in-flight set less the retries waiting for their ETA."""
     return reads.in_flight_set[gpu] - reads.retry_waiting[gpu]
 
@@ -218,8 +221,8 @@ def latency_percentile_ms(reads: Reads, q: float) -> float | None:
     return round(latency_bucket_ms(bucket), 1) if bucket is not None else None
 
 
-def heartbeat_age_s(reads: Reads, gpu: int) -> float | None:
-    beat = reads.heartbeats.get(f"gpu{gpu}")
+def heartbeat_age_s(reads: Reads, gpu: str) -> float | None:
+    beat = reads.heartbeats.get(gpu)
     return round(reads.now - beat, 1) if beat is not None else None
 
 
@@ -243,23 +246,39 @@ def _aliased(fields: dict) -> dict:
     return out
 
 
-def render_gpu(reads: Reads, gpu: int, s: Settings) -> dict:
+def render_gpu(reads: Reads, gpu: str, s: Settings) -> dict:
     age = heartbeat_age_s(reads, gpu)
     return _aliased({
+        "node": (parse_gpu(gpu) or (0, None))[1],
         "completed": count(reads, f"gpu:{gpu}:completed"),
         "output_tokens": count(reads, f"gpu:{gpu}:output_tokens"),
-        "request_throughput": round(per_second(reads, f"g{gpu}:c"), 3),
-        "output_tokens_per_sec": round(per_second(reads, f"g{gpu}:t"), 1),
+        "request_throughput": round(per_second(reads, f"{gpu}:c"), 3),
+        "output_tokens_per_sec": round(per_second(reads, f"{gpu}:t"), 1),
         "in_flight": in_flight(reads, gpu),
         "retry_waiting": reads.retry_waiting[gpu],
         "retries": count(reads, f"gpu:{gpu}:retries"),
-        "worker": reads.workers.get(f"gpu{gpu}", {}).get("hostname"),
+        "worker": reads.workers.get(gpu, {}).get("hostname"),
         "alive": age is not None and age < ALIVE_PERIODS * s.worker_heartbeat_s,
         "heartbeat_age_s": age,
         # The server's own view (its /metrics, sampled by the worker): running requests
         # below its decode slots while prompts are pending means the slots are not full.
-        "server": _server_view(reads.servers.get(f"gpu{gpu}"), reads.now),
+        "server": _server_view(reads.servers.get(gpu), reads.now),
     })
+
+
+def render_nodes(gpus: dict[str, dict]) -> dict:
+    """Per node, the sums of its GPUs' views (render_gpu)."""
+    nodes: dict[str, dict] = {}
+    for view in gpus.values():
+        node = nodes.setdefault(view["node"], {"gpus": 0, "alive": 0, "completed": 0, "in_flight": 0,
+                                               "request_throughput": 0.0, "output_throughput": 0.0})
+        node["gpus"] += 1
+        node["alive"] += view["alive"]
+        node["completed"] += view["completed"]
+        node["in_flight"] += view["in_flight"]
+        node["request_throughput"] = round(node["request_throughput"] + view["request_throughput"], 3)
+        node["output_throughput"] = round(node["output_throughput"] + view["output_throughput"], 1)
+    return nodes
 
 
 def render(reads: Reads, s: Settings) -> dict:
@@ -270,6 +289,7 @@ def render(reads: Reads, s: Settings) -> dict:
     finish_reasons = tally(reads, "finish")
     lat_n = count(reads, "latency_n")
     err = reads.storage_error
+    gpus = {gpu: render_gpu(reads, gpu, s) for gpu in reads.gpus}
     return _aliased({
         "job": job.name,
         "status": job.status,
@@ -277,8 +297,8 @@ def render(reads: Reads, s: Settings) -> dict:
         "completed": completed,
         "failed": count(reads, "failed"),
         "pending": reads.pending,
-        "in_flight": sum(in_flight(reads, gpu) for gpu in range(job.gpus)),
-        "retry_waiting": sum(reads.retry_waiting),
+        "in_flight": sum(in_flight(reads, gpu) for gpu in reads.gpus),
+        "retry_waiting": sum(reads.retry_waiting.values()),
         "remaining": left,
         "retries": count(reads, "retries"),
         "retry_reasons": tally(reads, "retry"),
@@ -314,7 +334,9 @@ def render(reads: Reads, s: Settings) -> dict:
         "params": {"max_tokens": job.params.max_tokens, "temperature": job.params.temperature,
                    "top_p": job.params.top_p, "top_k": job.params.top_k,
                    "enable_thinking": job.params.enable_thinking},
-        "gpus": {f"gpu{gpu}": render_gpu(reads, gpu, s) for gpu in range(job.gpus)},
+        "gpu_selection": job.selection.describe(),
+        "gpus": gpus,
+        "nodes": render_nodes(gpus),
         # Seconds since beat's last tick (None: never). Without beat nothing is sealed, shipped
         # or marked done: `status` says so.
         "beat_age_s": round(now - reads.beat_seen, 1) if reads.beat_seen is not None else None,
@@ -343,7 +365,7 @@ def is_finished(snap: dict) -> bool:
             and snap.get("sealing_batch") is None)
 
 
-def prune_rate(r: redis.Redis, name: str, gpus: int, keep_s: float) -> int:
+def prune_rate(r: redis.Redis, name: str, gpus: list[str], keep_s: float) -> int:
     """Delete the rate buckets older than keep_s, so the rate hash stays small in a run of
     days. Walks only the buckets since the last prune (idempotent: two beats may both run it)."""
     k = JobKeys(name)

@@ -18,7 +18,7 @@ def status_for(finish_reason: str) -> str:
     return {"stop": "success", "length": "truncated"}.get(finish_reason, finish_reason)
 
 
-def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, gpu: int,
+def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, gpu: str,
               params: GenerationParams, attempts: int) -> dict:
     row = {
         "id": prompt_id,

@@ -14,7 +14,7 @@ from typing import Iterable
 
 import redis
 
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import JobKeys, gpu_order
 from dflash_tasks.ledger import HIST_BUCKET_TOKENS
 from dflash_tasks.ledger.histogram import bucket_value, length_percentile, rank
 from dflash_tasks.output.batches import iter_newest_rows
@@ -88,7 +88,7 @@ def job_stats(r: redis.Redis, storage: Storage, job: str, *, max_tokens: int | N
     completed = raw.get("completed", 0)
     finish = {k.split(":", 1)[1]: v for k, v in raw.items() if k.startswith("finish:")}
     hist = {int(k.split(":", 1)[1]): v for k, v in raw.items() if k.startswith("hist:")}
-    gpus = sorted({int(k.split(":")[1]) for k in raw if k.startswith("gpu:")})
+    gpus = sorted({k.split(":")[1] for k in raw if k.startswith("gpu:")}, key=gpu_order)
 
     facts = [row_facts(row) for row in sample_rows(r, storage, job, sample)] if sample else []
     truncated = [f for f in facts if f["finish_reason"] == "length"]
@@ -99,7 +99,7 @@ def job_stats(r: redis.Redis, storage: Storage, job: str, *, max_tokens: int | N
         "output_tokens": histogram_percentiles(hist, max_tokens),
         "finish_reasons": finish,
         "truncated_pct": _pct(finish.get("length", 0), completed),
-        "per_gpu": {f"gpu{g}": {"completed": raw.get(f"gpu:{g}:completed", 0),
+        "per_gpu": {g: {"completed": raw.get(f"gpu:{g}:completed", 0),
                                 "output_tokens": raw.get(f"gpu:{g}:output_tokens", 0)} for g in gpus},
         "sample": {
             "rows": len(facts),
@@ -113,8 +113,8 @@ def job_stats(r: redis.Redis, storage: Storage, job: str, *, max_tokens: int | N
             "empty_answers": sum(f["empty_answer"] for f in facts),
             "empty_reasoning": sum(f["empty_reasoning"] for f in facts),
             "think_markers_in_content": sum(f["think_marker_in_content"] for f in facts),
-            "per_gpu": {f"gpu{g}": summary(f["output_tokens"] for f in facts if f["gpu"] == g)
-                        for g in sorted({f["gpu"] for f in facts})},
+            "per_gpu": {str(g): summary(f["output_tokens"] for f in facts if f["gpu"] == g)
+                        for g in sorted({f["gpu"] for f in facts}, key=lambda g: gpu_order(str(g)))},
         },
     }
 

@@ -73,7 +73,7 @@ def _seal_and_ship(r, s, name: str, storage) -> None:
             _storage_state(r, name, None, snap["unsealed_rows"])
     except (StorageError, OSError) as exc:
         _storage_state(r, name, exc, snap["unsealed_rows"])
-    prune_rate(r, name, len(snap["gpus"]), keep_s=2 * s.rate_window_s + 60)
+    prune_rate(r, name, list(snap["gpus"]), keep_s=2 * s.rate_window_s + 60)
 
 
 def _write_progress(r, s, name: str, storage, snap: dict) -> bool:
@@ -128,7 +128,7 @@ def _settled(r, job: jobs.Job) -> bool:
     pipe = r.pipeline(transaction=False)
     pipe.xlen(k.output)
     pipe.exists(k.sealing)
-    for gpu in range(job.gpus):
+    for gpu in dispatch.dispatched_gpus(r, job.name):
         pipe.zcard(k.inflight(gpu))
     return not any(pipe.execute())
 
@@ -169,23 +169,28 @@ def maintain() -> None:
     def keep_windows_full(job: jobs.Job) -> None:
         if job.status != "running":
             return
-        gpus = range(job.gpus)
+        # Every GPU the job ever used (its prompts may be there) and every registered GPU its
+        # selection allows, a node that joined since included: its GPUs get work now.
+        gpus = dispatch.job_gpus(r, job)
         gone = dispatch.gone_gpus(r, gpus, s.worker_gone_after_s)
+        serving = [g for g in gpus if g not in gone and job.selection.allows(g)]
         for gpu in gpus:
             if gpu in gone:
-                # Nothing is sent to a GPU without a worker; what waits there moves to the GPUs
-                # that have one (when none has, it stays: the first worker back takes it).
-                back = dispatch.drain_gone(book, job.name, gpu, s.worker_gone_after_s) \
-                    if len(gone) < len(gpus) else 0
+                # Nothing is sent to a GPU without a worker (its node left or died); what waits
+                # there moves to the GPUs that have one (when none has, it stays: the first
+                # worker back takes it).
+                back = dispatch.drain_gone(book, job.name, gpu, gone[gpu]) if serving else 0
                 if back:
-                    log.warning("job %s gpu%d: no worker for %ds; %d prompts in flight there went "
-                                "back to pending for the other GPUs", job.name, gpu,
-                                s.worker_gone_after_s, back)
+                    log.warning("job %s %s: %s; %d prompts in flight there went back to pending "
+                                "for the other GPUs", job.name, gpu,
+                                f"no heartbeat for {s.worker_gone_after_s}s" if gone[gpu]
+                                else "its worker stopped", back)
                 continue
             reaped = dispatch.reap(app, book, s, job.name, gpu, unacked)
             if reaped:
-                log.warning("job %s gpu%d: %d prompts dispatched again (no outcome after %ds)",
+                log.warning("job %s %s: %d prompts dispatched again (no outcome after %ds)",
                             job.name, gpu, reaped, s.reap_after_s)
-            dispatch.topup(app, book, s, job.name, gpu)
+            if gpu in serving:
+                dispatch.topup(app, book, s, job.name, gpu)
 
     _each_job(r, keep_windows_full)

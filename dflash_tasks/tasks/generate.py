@@ -35,7 +35,7 @@ from celery.exceptions import Reject, Retry
 from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.core.keys import GENERATE_TASK, queue_for
 from dflash_tasks.core.settings import get_settings
-from dflash_tasks.dispatch import job_gpus, topup
+from dflash_tasks.dispatch import topup
 from dflash_tasks.output.rows import build_row
 from dflash_tasks.sglang import PermanentError, SGLangError, TransientError
 from dflash_tasks.sglang.continuation import continue_generation
@@ -76,7 +76,7 @@ def durable(what: str, fn: Callable[..., T], *args, **kwargs) -> T:
 
 
 @app.task(name=GENERATE_TASK, bind=True, max_retries=None, throws=(PromptFailed,))
-def generate(self, job: str, prompt_id: str, gpu: int, tries: int = 0) -> dict:
+def generate(self, job: str, prompt_id: str, gpu: str, tries: int = 0) -> dict:
     try:
         return _generate(self, job, prompt_id, gpu, tries)
     except (Retry, Reject, PromptFailed, *REDIS_DOWN):
@@ -84,14 +84,14 @@ def generate(self, job: str, prompt_id: str, gpu: int, tries: int = 0) -> dict:
     except Exception as exc:
         # A bug, not an answer of the server: park the prompt in the registry (with the error)
         # instead of letting the reaper send it again and again.
-        log.exception("prompt %s on gpu%d: unexpected error", prompt_id, gpu)
+        log.exception("prompt %s on %s: unexpected error", prompt_id, gpu)
         _record_failure(job, prompt_id, gpu, reason="internal_error", klass="permanent",
                         error=f"{type(exc).__name__}: {exc}", status=None, attempts=tries + 1)
     finally:
         _refill(job, gpu)
 
 
-def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
+def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
     book = runtime().book
     shutdown = runtime().shutdown
     if shutdown.requested():
@@ -107,9 +107,9 @@ def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
         book.drop_inflight(job, gpu, prompt_id)
         return {"id": prompt_id, "skipped": "not pending (job removed)"}
     if not state.in_flight_here:
-        # Recalled from this GPU (a cancel, fewer --gpus, this worker given up for gone) while
-        # the message waited: the prompt is pending again, or dispatched elsewhere.
-        return {"id": prompt_id, "skipped": f"no longer dispatched to gpu{gpu}"}
+        # Recalled from this GPU (a cancel, a GPU the job no longer uses, this worker given up
+        # for gone) while the message waited: the prompt is pending again, or dispatched elsewhere.
+        return {"id": prompt_id, "skipped": f"no longer dispatched to {gpu}"}
     params = GenerationParams.from_dict(state.params)
     s = get_settings()
     client = runtime().client(gpu)
@@ -147,7 +147,7 @@ def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
             if not durable("counting a retry", book.note_retry, job, prompt_id, gpu, exc.reason):
                 return {"id": prompt_id, "skipped": "done by another delivery, or its job deleted"}
             countdown = backoff_s(tries)
-            log.info("prompt %s on gpu%d: %s; retry %d/%d in %.1fs", prompt_id, gpu, exc,
+            log.info("prompt %s on %s: %s; retry %d/%d in %.1fs", prompt_id, gpu, exc,
                      attempt, s.max_retries, countdown)
             raise self.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
                              args=(job, prompt_id, gpu), kwargs={"tries": attempt})
@@ -159,35 +159,34 @@ def _generate(self, job: str, prompt_id: str, gpu: int, tries: int) -> dict:
     row = build_row(prompt_id, state.messages, completion, job=job, gpu=gpu, params=params,
                     attempts=attempt)
     recorded = durable("recording the row",
-                       lambda: book.complete(job, prompt_id, gpu, row, gpus=job_gpus(book.r, job)))
+                       lambda: book.complete(job, prompt_id, gpu, row))
     return {"id": prompt_id, "finish_reason": completion.finish_reason,
             "completion_tokens": completion.completion_tokens, "attempts": attempt,
             **({} if recorded else {"skipped": "duplicate delivery"})}
 
 
-def _refill(job: str, gpu: int) -> None:
+def _refill(job: str, gpu: str) -> None:
     if runtime().shutdown.requested():
         return  # the next worker (or beat's maintain) refills; this one takes nothing new
     try:
         topup(app, runtime().book, runtime().settings, job, gpu)
     except Exception as exc:  # Redis away: beat's maintain tops the window up within 10 s
-        log.warning("gpu%d: could not top up job %s's window (%s)", gpu, job, exc)
+        log.warning("%s: could not top up job %s's window (%s)", gpu, job, exc)
 
 
-def _fail(job: str, prompt_id: str, gpu: int, exc: SGLangError, attempts: int) -> None:
+def _fail(job: str, prompt_id: str, gpu: str, exc: SGLangError, attempts: int) -> None:
     _record_failure(job, prompt_id, gpu, reason=exc.reason,
                     klass="transient" if exc.transient else "permanent", error=str(exc),
                     status=exc.status, attempts=attempts)
 
 
-def _record_failure(job: str, prompt_id: str, gpu: int, *, reason: str, klass: str, error: str,
+def _record_failure(job: str, prompt_id: str, gpu: str, *, reason: str, klass: str, error: str,
                     status: int | None, attempts: int) -> None:
     """Enter the prompt in the failed registry, then raise PromptFailed (Flower: FAILURE)."""
     record = {"id": prompt_id, "reason": reason, "class": klass, "error": error[:2000],
               "status": status, "attempts": attempts, "gpu": gpu, "at": round(time.time(), 3)}
     durable("recording a failure",
-            lambda: runtime().book.fail(job, prompt_id, gpu, record,
-                                        gpus=job_gpus(runtime().book.r, job)))
-    log.warning("prompt %s failed (%s, %s) on gpu%d after %d attempt(s): %s", prompt_id, klass,
+            lambda: runtime().book.fail(job, prompt_id, gpu, record))
+    log.warning("prompt %s failed (%s, %s) on %s after %d attempt(s): %s", prompt_id, klass,
                 reason, gpu, attempts, error[:500])
     raise PromptFailed(f"{reason}: {error[:500]}")

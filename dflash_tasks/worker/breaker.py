@@ -166,7 +166,7 @@ class CircuitBreaker:
 
 # -- its state in Redis, for `manage.py failed` ----------------------------------------------
 
-def publisher(r: redis.Redis, gpu: int, url: str) -> Callable[[CircuitBreaker], None]:
+def publisher(r: redis.Redis, gpu: str, url: str) -> Callable[[CircuitBreaker], None]:
     def publish(b: CircuitBreaker) -> None:
         r.hset(BREAKERS, queue_for(gpu), json.dumps({
             **b.snapshot(), "url": redact_url(url), "host": socket.gethostname(),
@@ -174,9 +174,9 @@ def publisher(r: redis.Redis, gpu: int, url: str) -> Callable[[CircuitBreaker], 
     return publish
 
 
-def publish_closed(r: redis.Redis, gpu: int, url: str) -> None:
+def publish_closed(r: redis.Redis, gpu: str, url: str) -> None:
     """A worker starting on a healthy server clears what a dead predecessor left behind."""
     try:
-        publisher(r, gpu, url)(CircuitBreaker(f"gpu{gpu}", lambda: True))
+        publisher(r, gpu, url)(CircuitBreaker(gpu, lambda: True))
     except Exception:
-        log.debug("could not publish the breaker state of gpu%d", gpu, exc_info=True)
+        log.debug("could not publish the breaker state of %s", gpu, exc_info=True)

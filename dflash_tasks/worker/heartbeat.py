@@ -14,23 +14,23 @@ from dflash_tasks.core.keys import WORKERS_SEEN, queue_for
 log = logging.getLogger(__name__)
 
 
-def beat_once(r: redis.Redis, gpu: int) -> None:
+def beat_once(r: redis.Redis, gpu: str) -> None:
     seconds, micros = r.time()
     r.hset(WORKERS_SEEN, queue_for(gpu), f"{seconds + micros / 1e6:.3f}")
 
 
-def run(r: redis.Redis, gpu: int, interval_s: float, stop: threading.Event) -> None:
+def run(r: redis.Redis, gpu: str, interval_s: float, stop: threading.Event) -> None:
     """Stamp gpu's heartbeat now and every interval_s until `stop` (the worker runtime's thread)."""
     while True:
         try:
             beat_once(r, gpu)
         except redis.exceptions.RedisError as exc:
-            log.warning("gpu%d: heartbeat not written (%s)", gpu, exc)
+            log.warning("%s: heartbeat not written (%s)", gpu, exc)
         if stop.wait(interval_s):
             return
 
 
-def clear(r: redis.Redis, gpus: list[int]) -> None:
+def clear(r: redis.Redis, gpus: list[str]) -> None:
     """A clean shutdown removes the stamps, so the GPUs read as not alive at once."""
     if gpus:
         try:

@@ -1,5 +1,5 @@
 """A worker's life as Celery signals it, however it was launched (`manage.py worker` or plain
-`celery -A dflash_tasks worker -Q gpu3`), connected explicitly by `connect`: refuse a Redis that
+`celery -A dflash_tasks worker -Q gpu3@node-a`), connected explicitly by `connect`: refuse a Redis that
 persists nothing, wait until its SGLang server is healthy before taking work, register its
 concurrency (the dispatch window is sized from it), start its reports, fill its queue; on a
 reconnect, put back what no task holds; on a stop, hand its prompts back (the runtime's
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 import time
 
@@ -19,20 +18,20 @@ from celery.worker.state import active_requests, reserved_requests
 from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
 from dflash_tasks.core.connections import PersistenceError, check_persistence
-from dflash_tasks.core.keys import WORKERS, queue_for
+from dflash_tasks.core.keys import WORKERS, gpu_order, parse_gpu, queue_for
 from dflash_tasks.core.settings import redact_url
 from dflash_tasks.sglang import SGLangClient
 from dflash_tasks.worker.breaker import publish_closed
 from dflash_tasks.worker.runtime import runtime
 
 log = logging.getLogger(__name__)
-_GPU_QUEUE = re.compile(r"^gpu(\d+)$")
 HEALTH_WARN_EVERY_S = 60.0
 
 
-def gpus_consumed(app) -> list[int]:
+def gpus_consumed(app) -> list[str]:
+    """The GPUs whose queues this worker consumes (a GPU's queue bears its name)."""
     names = app.amqp.queues.consume_from or {}
-    return sorted(int(m.group(1)) for name in names if (m := _GPU_QUEUE.match(name)))
+    return sorted((name for name in names if parse_gpu(name)), key=gpu_order)
 
 
 def _wait_for_servers(sender, instance, conf, **_):
@@ -44,11 +43,11 @@ def _wait_for_servers(sender, instance, conf, **_):
         while not client.healthy():
             waited = time.monotonic() - started
             if waited > runtime().settings.health_wait_s:
-                log.error("gpu%d: %s still not healthy after %.0fs; taking work anyway",
+                log.error("%s: %s still not healthy after %.0fs; taking work anyway",
                           gpu, redact_url(url), waited)
                 break
             if waited >= next_warning:  # a server loads for minutes: a line a minute, not every poll
-                log.warning("gpu%d: waiting for SGLang at %s/health (%.0fs)", gpu, redact_url(url),
+                log.warning("%s: waiting for SGLang at %s/health (%.0fs)", gpu, redact_url(url),
                             waited)
                 next_warning = waited + HEALTH_WARN_EVERY_S
             time.sleep(2.0)
@@ -56,11 +55,11 @@ def _wait_for_servers(sender, instance, conf, **_):
         _register(gpu, instance.concurrency, sender, url)
 
 
-def _register(gpu: int, concurrency: int, hostname: str, url: str) -> None:
+def _register(gpu: str, concurrency: int, hostname: str, url: str) -> None:
     runtime().r.hset(WORKERS, queue_for(gpu), json.dumps({
         "concurrency": concurrency, "hostname": hostname, "host": socket.gethostname(),
         "pid": os.getpid(), "url": redact_url(url), "started_at": time.time()}))
-    log.info("gpu%d: worker %s ready, concurrency %d, server %s", gpu, hostname, concurrency,
+    log.info("%s: worker %s ready, concurrency %d, server %s", gpu, hostname, concurrency,
              redact_url(url))
     runtime().start_reporting(gpu)  # progress.json's per-GPU "alive" and server load
 
@@ -75,9 +74,8 @@ def _fill_queues(sender, **_):
     for name in jobs.names(r):
         job = jobs.load(r, name)
         if job and job.status == "running":
-            for gpu in gpus:
-                if gpu < job.gpus:
-                    dispatch.topup(sender.app, runtime().book, runtime().settings, name, gpu)
+            for gpu in gpus:  # only where the job's selection allows the GPU (take.lua)
+                dispatch.topup(sender.app, runtime().book, runtime().settings, name, gpu)
 
 
 def _begin_shutdown(sig=None, how=None, **_):

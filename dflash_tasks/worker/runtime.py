@@ -27,9 +27,9 @@ class WorkerRuntime:
         self._lock = threading.Lock()
         self._clients: dict[str, SGLangClient] = {}
         self._breakers: dict[str, CircuitBreaker] = {}
-        self._reporting: dict[int, threading.Event] = {}  # gpu -> stops its reporting threads
+        self._reporting: dict[str, threading.Event] = {}  # gpu -> stops its reporting threads
 
-    def client(self, gpu: int) -> SGLangClient:
+    def client(self, gpu: str) -> SGLangClient:
         """The process's one client for gpu's server."""
         s = self.settings
         url = s.sglang_url_for(gpu)
@@ -40,20 +40,20 @@ class WorkerRuntime:
                     request_timeout_s=s.request_timeout_s, keepalive_expiry_s=s.keepalive_expiry_s)
             return self._clients[url]
 
-    def breaker(self, gpu: int) -> CircuitBreaker:
+    def breaker(self, gpu: str) -> CircuitBreaker:
         """The process's one breaker in front of gpu's server, its state published in Redis."""
         client = self.client(gpu)
         url, s = client.base_url, self.settings
         with self._lock:
             if url not in self._breakers:
                 self._breakers[url] = CircuitBreaker(
-                    f"gpu{gpu} {redact_url(url)}", client.healthy, threshold=s.breaker_threshold,
+                    f"{gpu} {redact_url(url)}", client.healthy, threshold=s.breaker_threshold,
                     close_after=s.breaker_close_after, probe_base_s=s.breaker_probe_base_s,
                     probe_cap_s=s.breaker_probe_cap_s, on_change=publisher(self.r, gpu, url),
                     shutdown=self.shutdown)
             return self._breakers[url]
 
-    def start_reporting(self, gpu: int) -> None:
+    def start_reporting(self, gpu: str) -> None:
         """gpu's heartbeat (progress.json's "alive") and its server's /metrics samples, each from
         a daemon thread; once per GPU."""
         with self._lock:
@@ -62,11 +62,11 @@ class WorkerRuntime:
             stop = self._reporting[gpu] = threading.Event()
         s = self.settings
         threading.Thread(target=heartbeat.run, args=(self.r, gpu, s.worker_heartbeat_s, stop),
-                         name=f"heartbeat gpu{gpu}", daemon=True).start()
+                         name=f"heartbeat {gpu}", daemon=True).start()
         threading.Thread(target=server_metrics.run,
                          args=(self.r, gpu, SGLangClient(s.sglang_url_for(gpu)),
                                s.server_metrics_interval_s, stop),
-                         name=f"server metrics gpu{gpu}", daemon=True).start()
+                         name=f"server metrics {gpu}", daemon=True).start()
 
     def stop_reporting(self) -> None:
         """A clean stop: the threads end and the heartbeats are removed (the GPUs read as not

@@ -44,20 +44,20 @@ def sample(client: SGLangClient) -> dict:
         return {"error": str(exc)[:300]}
 
 
-def sample_once(r: redis.Redis, gpu: int, client: SGLangClient) -> dict:
+def sample_once(r: redis.Redis, gpu: str, client: SGLangClient) -> dict:
     seconds, micros = r.time()
     record = {**sample(client), "at": round(seconds + micros / 1e6, 3)}
     r.hset(SERVERS, queue_for(gpu), json.dumps(record))
     return record
 
 
-def run(r: redis.Redis, gpu: int, client: SGLangClient, interval_s: float,
+def run(r: redis.Redis, gpu: str, client: SGLangClient, interval_s: float,
         stop: threading.Event) -> None:
     """Sample gpu's server every interval_s until `stop` (the worker runtime's thread)."""
     while True:
         try:
             sample_once(r, gpu, client)
         except redis.exceptions.RedisError as exc:
-            log.warning("gpu%d: server metrics not written (%s)", gpu, exc)
+            log.warning("%s: server metrics not written (%s)", gpu, exc)
         if stop.wait(interval_s):
             return
