@@ -38,6 +38,8 @@ from dflash_tasks.worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY_S = 2.0
+# Besides every DFLASH_* setting, the worker's environment the trainer does not inherit.
+WORKER_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 STOP_CHECK_EVERY_S = 1.0
 
 
@@ -223,9 +225,12 @@ class RunSession:
         quoted = {k: shlex.quote(str(v)) for k, v in {**values, **run_values}.items()
                   if not isinstance(v, dict)}
         argv = shlex.split(spec.fill_command(template, quoted, {}))
-        # The deployment's own settings stay with the worker: DFLASH_REDIS_URL carries Redis's
-        # password, and the trainer needs none of them. The run's env is checked (allowed_command).
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")},
+        # The worker's secrets stay with the worker: DFLASH_REDIS_URL carries Redis's password,
+        # and the trainer reads its export and leaves the upload to the worker, so it needs
+        # neither that nor S3's keys (a trainer that prints its environment would put them in
+        # train.log and the run's log tail). The run's env is checked (allowed_command).
+        env = {**{k: v for k, v in os.environ.items()
+                  if not k.startswith("DFLASH_") and k not in WORKER_SECRETS},
                **{k: str(v) for k, v in (values.get("env") or {}).items()}}
         self.set_phase("train")
         result = run_command(argv, cwd=self.run_dir, env=env, log=self.log,
