@@ -38,9 +38,9 @@ from dflash_tasks.worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY_S = 2.0
+STOP_CHECK_EVERY_S = 1.0
 # Besides every DFLASH_* setting, the worker's environment the trainer does not inherit.
 WORKER_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-STOP_CHECK_EVERY_S = 1.0
 
 
 class TrainingError(RuntimeError):
