@@ -26,9 +26,23 @@ SERVICES: dict[str, dict] = COMPOSE["services"]
 
 # -- helpers ------------------------------------------------------------------------------------
 
-def interpolate(text: str) -> str:
-    """Compose's ${VAR:-default} / ${VAR} with an empty environment: the defaults."""
-    return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}", lambda m: m.group(1) or "", text)
+# What the deployment is started with; ${REDIS_PASSWORD:?...} is required (compose refuses to
+# start without it), every other variable has its default.
+PASSWORD = "s3cret-compose-test"
+COMPOSE_ENV = {"REDIS_PASSWORD": PASSWORD}
+
+
+def interpolate(text: str, env: dict[str, str] = COMPOSE_ENV) -> str:
+    """Compose's ${VAR:-default} / ${VAR} / ${VAR:?error} with `env`: its values, else the
+    defaults; a required variable missing from `env` raises, as compose refuses to start."""
+    def value(m: re.Match) -> str:
+        name, kind, rest = m.group(1), m.group(2), m.group(3) or ""
+        if env.get(name):
+            return env[name]
+        if kind == ":?":
+            raise KeyError(f"{name} is required: {rest}")
+        return rest
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}", value, text)
 
 
 def argv(service: dict) -> list[str]:
@@ -141,15 +155,17 @@ def test_project_services_build_from_the_dockerfile():
             continue
         assert service.get("build") in (".", {"context": "."}), name
         env = service["environment"]
-        assert env["DFLASH_REDIS_URL"] == "redis://redis:6379/0", name
+        assert interpolate(env["DFLASH_REDIS_URL"]) == f"redis://:{PASSWORD}@redis:6379/0", name
         assert env["DFLASH_OUTPUT_DIR"] == "/data/output", name
         assert "DFLASH_S3_URI" in env and "AWS_ACCESS_KEY_ID" in env and "AWS_SECRET_ACCESS_KEY" in env
         mounts = [v.split(":")[:2] for v in service.get("volumes", []) if isinstance(v, str)]
         assert any(target == "/data/output" and source in COMPOSE["volumes"] for source, target in mounts), name
     flower = SERVICES["flower"]
     assert "DFLASH_FLOWER_BASIC_AUTH" in flower["environment"]
-    assert any(str(p).endswith("5555:5555") or str(p) == "5555" for p in flower["ports"])
-    assert options(manage_call(flower)[1]).get("--address") == "0.0.0.0"  # reachable from outside
+    # Reachable from outside its container (Docker's port mapping), published on loopback only:
+    # Flower speaks plain HTTP (docs/SECURITY.md puts it behind TLS).
+    assert options(manage_call(flower)[1]).get("--address") == "0.0.0.0"
+    assert [str(p) for p in flower["ports"]] == ["127.0.0.1:5555:5555"]
 
 
 def test_redis_is_persistent_and_never_evicts():
@@ -161,6 +177,42 @@ def test_redis_is_persistent_and_never_evicts():
     assert opts.get("--maxmemory-policy") == "noeviction"
     assert any(str(v).split(":")[0] in COMPOSE["volumes"] and str(v).split(":")[1] == "/data"
                for v in redis_service["volumes"])
+
+
+def test_redis_without_the_password_refuses_the_deployments_connections(tmp_path):
+    """redis-server started with the compose service's own flags: a client without the password
+    is refused (NOAUTH), one with the URL the services get is served. Compose refuses to start
+    without REDIS_PASSWORD, and every service's URL carries it."""
+    import redis
+
+    service = SERVICES["redis"]
+    with pytest.raises(KeyError, match="REDIS_PASSWORD is required"):
+        interpolate(" ".join(service["command"]), env={})
+    urls = {name: interpolate(s["environment"]["DFLASH_REDIS_URL"])
+            for name, s in SERVICES.items() if "DFLASH_REDIS_URL" in s.get("environment", {})}
+    assert {"flower", "beat", "worker-gpu0", "train-worker"} <= set(urls), urls
+    assert all(f":{PASSWORD}@redis:" in url for url in urls.values()), urls
+    assert interpolate(service["environment"]["REDISCLI_AUTH"]) == PASSWORD  # the healthcheck's
+    assert "PONG" in " ".join(service["healthcheck"]["test"])  # NOAUTH exits 0 too
+
+    port = free_port()
+    server = Proc([*argv(service), "--port", str(port), "--bind", "127.0.0.1", "--dir",
+                   str(tmp_path)], tmp_path / "redis.log")  # where compose maps 6379 and /data
+    try:
+        url = urls["worker-gpu0"].replace("@redis:6379", f"@127.0.0.1:{port}")
+        wait_until(lambda: redis.Redis.from_url(url).ping(), timeout=20, what="redis-server")
+        with pytest.raises(redis.AuthenticationError):  # redis-py's RESP3 HELLO, refused
+            redis.Redis(port=port).set("k", "v")
+        with pytest.raises(redis.AuthenticationError, match="Authentication required"):  # NOAUTH
+            redis.Redis(port=port, protocol=2).set("k", "v")
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url.replace(PASSWORD, "wrong")).ping()
+        served = redis.Redis.from_url(url)
+        assert served.set("k", "v") and served.get("k") == b"v"
+        assert served.config_get("appendonly") == {"appendonly": "yes"}
+        assert PASSWORD not in server.log()
+    finally:
+        server.stop()
 
 
 def test_each_server_reserves_one_distinct_gpu_with_the_launchers_flags():

@@ -233,7 +233,8 @@ def test_the_run_config_is_accepted_by_specforges_loader_with_the_command_values
                "decay_gamma": 5.0, "max_length": 8192, "checkpoint_every": 500,
                "specforge": {"training": {"batch_size": 4}, "tracking": {"report_to": "none"}}}
     checked = spec.build({"gate": {}, "reference": {}, "command": command}, "command", None)
-    assert checked["command"]["template"] == "{specforge_bin} train --config {config_path}"
+    assert checked["command"]["template"] == "specforge"  # a name: the node holds the line
+    assert spec.BUILTIN_TEMPLATES["specforge"] == "specforge train --config {config_path}"
     values = checked["command"]["values"]
     path = write(run_config(values, fmt=values["format"], data_path=tmp_path / "tokenized.jsonl",
                             output_dir=tmp_path / "checkpoints", work_dir=tmp_path / "specforge",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,11 +15,12 @@ import pytest
 from conftest import write_jsonl
 from s3support import BUCKET, s3_cluster
 from specforge.config import load_config
-from support import ROOT, wait_until
+from support import ROOT, python, wait_until
 from test_training_data import good_row, six_token_row, write_batches
 from tokenizer_support import build_tokenizer
 
 from dflash_dev.sim import tokens as sim
+from dflash_tasks.training.queue import runs
 
 # Short, varied lengths: every row finishes, none is short, no one length dominates.
 SIM_ARGS = ("--slots", "16", "--median-tokens", "120", "--p-over-4096", "0.001",
@@ -29,6 +31,14 @@ GATE = '[gate]\nmin_loss_tokens = 8\n'
 def trainer_command(mode: str) -> str:
     return f"{sys.executable} {ROOT / 'tests' / 'command_trainer.py'} {mode} --data {{data_path}} " \
            "--out {output_dir}"
+
+
+def node_templates(tmp_path: Path, extra: str = "") -> str:
+    """The training node's DFLASH_TRAIN_TEMPLATES file: the stand-in trainer's modes by name (a
+    run names one; the node holds the command line)."""
+    lines = ["[templates]", *(f"{mode} = {json.dumps(trainer_command(mode))}"
+                              for mode in ("ok", "fail", "hang")), extra]
+    return str(write_text(tmp_path / "node-templates.toml", "\n".join(lines) + "\n"))
 
 
 def run_status(c, run: str) -> dict:
@@ -52,7 +62,8 @@ def generate(c, tmp_path: Path, job: str, n: int) -> None:
 
 
 def test_command_trainer_after_done_uploads_its_checkpoint_and_records_failures(cluster, tmp_path, moto):
-    c = s3_cluster(cluster, moto.url, batch_rows="10", batch_max_age_s="1")
+    c = s3_cluster(cluster, moto.url, batch_rows="10", batch_max_age_s="1",
+                   train_templates=node_templates(tmp_path))
     config = write_text(tmp_path / "train.toml", GATE)
     c.start_server(0, *SIM_ARGS)
     c.start_worker(0)
@@ -60,7 +71,7 @@ def test_command_trainer_after_done_uploads_its_checkpoint_and_records_failures(
     c.start_train_worker()
     generate(c, tmp_path, "cmd", 40)
     run = queue_run(c, "--job", "cmd", "--after-done", "--trainer", "command",
-                    "--command", trainer_command("ok"), "--config", str(config))
+                    "--template", "ok", "--config", str(config))
 
     done = wait_run(c, run, ("done", "failed", "refused"), timeout=240)
     assert done["status"] == "done", done
@@ -81,8 +92,10 @@ def test_command_trainer_after_done_uploads_its_checkpoint_and_records_failures(
     assert weights == (Path(ckpt["path"]) / "weights.bin").read_bytes()
 
     # A trainer that fails: the run fails with its exit code, and its log says why.
+    # Given as the command line itself, it is the node's template `fail`, and named so.
     failing = queue_run(c, "--job", "cmd", "--trainer", "command", "--command",
                         trainer_command("fail"), "--config", str(config))
+    assert runs.load(c.r, failing).spec["command"]["template"] == "fail"
     failed = wait_run(c, failing, ("done", "failed"))
     assert failed["status"] == "failed" and int(failed["exit_code"]) == 3
     assert "exited with code 3" in failed["error"]
@@ -93,13 +106,13 @@ def test_command_trainer_after_done_uploads_its_checkpoint_and_records_failures(
 
 
 def test_a_run_survives_a_drain_a_crash_and_a_stall_then_is_cancelled(cluster, tmp_path):
-    c = cluster(train_heartbeat_s="0.5", train_stale_s="3")
+    c = cluster(train_heartbeat_s="0.5", train_stale_s="3", train_templates=node_templates(tmp_path))
     write_batches(c.output_dir, "ready", [good_row(i) for i in range(30)])  # shipped elsewhere
     config = write_text(tmp_path / "train.toml", GATE)
     worker = c.start_train_worker()
     c.start_beat()  # sends the run again after the handback
-    run = queue_run(c, "--job", "ready", "--trainer", "command", "--command",
-                    trainer_command("hang"), "--config", str(config))
+    run = queue_run(c, "--job", "ready", "--trainer", "command", "--template", "hang",
+                    "--config", str(config))
     pid_file = c.output_dir / "training" / run / "checkpoints" / "trainer.pid"
     wait_until(pid_file.exists, timeout=60, what="the trainer to start")
     first_pid = int(pid_file.read_text())
@@ -155,12 +168,11 @@ def test_a_run_survives_a_drain_a_crash_and_a_stall_then_is_cancelled(cluster, t
 
 
 def test_the_quality_gate_refuses_a_bad_dataset(cluster, tmp_path):
-    c = cluster()
+    c = cluster(train_templates=node_templates(tmp_path))
     write_batches(c.output_dir, "six", [six_token_row(i) if i % 10 else good_row(i)
                                         for i in range(200)])
     c.start_train_worker()
-    run = queue_run(c, "--job", "six", "--trainer", "command", "--command",
-                    trainer_command("ok"))
+    run = queue_run(c, "--job", "six", "--trainer", "command", "--template", "ok")
     refused = wait_run(c, run, ("refused", "done", "failed"))
     assert refused["status"] == "refused"
     assert refused["gate"]["passed"] is False
@@ -171,8 +183,40 @@ def test_the_quality_gate_refuses_a_bad_dataset(cluster, tmp_path):
     assert "FAILED" in detail and "loss-mask spike" in detail
 
 
+def test_the_training_node_runs_only_the_templates_and_env_it_allows(cluster, tmp_path):
+    """A run's spec comes from Redis, which others can write to: what a Redis writer queues
+    (a command line of its own, an env that loads code) is refused by the node, with the reason,
+    before anything runs: no gate, no export, no process."""
+    c = cluster(train_templates=node_templates(tmp_path))
+    write_batches(c.output_dir, "job", [good_row(i) for i in range(30)])
+    c.start_train_worker()
+    marker = tmp_path / "pwned"
+    values = {"format": "specforge-tokenized"}
+    written = {  # spec["command"] as a Redis writer would store it, and why it is refused
+        "raw": ({"template": f"touch {marker}", "values": values},
+                f"template 'touch {marker}' is not one this training node runs"),
+        "preload": ({"template": "ok", "values": {**values, "env": {"LD_PRELOAD": str(marker)}}},
+                    "LD_PRELOAD may not be set by a run"),
+        "remote": ({"template": "ok", "values": {
+            **values, "specforge": {"model": {"trust_remote_code": True}}}},
+                   "trust_remote_code: not from a run's spec"),
+    }
+    for name, (command, _) in written.items():
+        runs.create(c.r, "job", "command", {"trainer": "command", "gate": {}, "command": command},
+                    trigger="now", name=f"job-{name}")
+        subprocess.run(python("-c", f"from dflash_tasks.tasks.train import send; send('job-{name}')"),
+                       env=c.env, check=True, cwd=ROOT)
+    for name, (_, reason) in written.items():
+        refused = wait_run(c, f"job-{name}", ("refused", "done", "failed"))
+        assert refused["status"] == "refused", refused
+        assert reason in refused["error"], refused["error"]
+        assert "gate" not in refused and refused["log_tail"]  # refused before the gate
+        assert not (Path(refused["run_dir"]) / "data").exists()
+    assert not marker.exists()
+
+
 def test_train_rejects_bad_input_before_queueing(cluster, tmp_path):
-    c = cluster()
+    c = cluster(train_templates=node_templates(tmp_path, 'lr = "train --lr {lr}"'))
     write_batches(c.output_dir, "ok", [good_row(i) for i in range(5)])
     bad_field = write_text(tmp_path / "bad.toml", "[gate]\nmin_loss_tokenz = 3\n")
     result = c.manage("train", "--job", "ok", "--config", str(bad_field), check=False)
@@ -183,14 +227,27 @@ def test_train_rejects_bad_input_before_queueing(cluster, tmp_path):
     assert result.returncode == 2 and "block_size" in result.stderr
     result = c.manage("train", "--job", "ok", "--trainer", "command", check=False)
     assert result.returncode == 2 and "target_model: required" in result.stderr
-    result = c.manage("train", "--job", "ok", "--trainer", "command",
-                      "--command", "train --lr {lr}", check=False)
+    result = c.manage("train", "--job", "ok", "--trainer", "command", "--template", "lr",
+                      check=False)
     assert result.returncode == 2 and "{lr}" in result.stderr
-    result = c.manage("train", "--job", "nope", "--trainer", "command", "--command", "true",
+    # Only the command lines the node's templates hold, and only the env it allows.
+    result = c.manage("train", "--job", "ok", "--trainer", "command", "--template", "evil",
+                      check=False)
+    assert result.returncode == 2 and "template 'evil' is not one this training node runs" \
+        in result.stderr.replace("\n", " ")
+    result = c.manage("train", "--job", "ok", "--trainer", "command", "--command",
+                      "touch /tmp/x {data_path}", check=False)
+    assert result.returncode == 2 and "not a command line this training node runs" \
+        in result.stderr.replace("\n", " ")
+    preload = write_text(tmp_path / "preload.toml", '[command]\nenv = { LD_PRELOAD = "/x.so" }\n')
+    result = c.manage("train", "--job", "ok", "--trainer", "command", "--template", "ok",
+                      "--config", str(preload), check=False)
+    assert result.returncode == 2 and "LD_PRELOAD may not be set by a run" in result.stderr
+    result = c.manage("train", "--job", "nope", "--trainer", "command", "--template", "ok",
                       check=False)
     assert result.returncode == 1 and "no manifest" in result.stderr
     result = c.manage("train", "--job", "nope", "--after-done", "--trainer", "command",
-                      "--command", "true", check=False)
+                      "--template", "ok", check=False)
     assert result.returncode == 1 and "no job named 'nope'" in result.stderr
     assert json.loads(c.manage("train-status", "--json").stdout) == []  # nothing was queued
 
@@ -221,8 +278,11 @@ def test_the_default_command_hands_specforge_the_tokenized_export(cluster, tmp_p
     fake.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'fake_specforge.py'} "
                     '"$@"\n')
     fake.chmod(0o755)
+    # The node points its built-in `specforge` template at another binary.
+    c.env["DFLASH_TRAIN_TEMPLATES"] = str(write_text(
+        tmp_path / "node.toml", f'[templates]\nspecforge = "{fake} train --config {{config_path}}"\n'))
     command = (f'[command]\ntarget_model = "{build_tokenizer(tmp_path / "tok")}"\n'
-               f'specforge_bin = "{fake}"\nlearning_rate = 3e-4\nepochs = 2\n')
+               'learning_rate = 3e-4\nepochs = 2\n')
     config = write_text(tmp_path / "train.toml", GATE + command)
     c.start_train_worker()
     run = queue_run(c, "--job", "sf", "--trainer", "command", "--config", str(config))
@@ -285,11 +345,10 @@ def test_train_prints_its_run_for_every_trigger(tmp_path, redis_url, trigger):
     (the message used to format min_rows when it was None, after the run was created)."""
     from conftest import Cluster, write_jsonl
 
-    c = Cluster(tmp_path, redis_url)
+    c = Cluster(tmp_path, redis_url, train_templates=node_templates(tmp_path))
     data = write_jsonl(tmp_path / "d.jsonl",
                        [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}])
     c.manage("enqueue", "--dataset", str(data), "--job", "tj")
-    out = c.manage("train", "--job", "tj", "--trainer", "command", "--command", "true {data_path}",
-                   *trigger)
+    out = c.manage("train", "--job", "tj", "--trainer", "command", "--template", "ok", *trigger)
     assert "training run" in out.stdout and "tj-train-1" in out.stdout, out.stdout
     assert c.r.zcard("dflash:train:runs") == 1

@@ -11,14 +11,27 @@ from rich.table import Table
 from dflash_tasks.cli.common import console, redis_or_fail
 
 
-def _spec(config: Path | None, trainer: str, command: str | None) -> dict:
-    from dflash_tasks.training.queue.spec import SpecError, build, read_config
+def _spec(config: Path | None, trainer: str, template: str | None, command: str | None) -> dict:
+    """The run's spec, checked against the templates this machine's DFLASH_TRAIN_TEMPLATES
+    defines (the training node's own: it checks the spec again before it runs anything)."""
+    from dflash_tasks.core.settings import get_settings
+    from dflash_tasks.training.queue.spec import SpecError, build, node_commands, read_config
 
     try:
-        return build(read_config(config), trainer, command, source=str(config or "--config"))
+        commands = node_commands(get_settings().train_templates)
     except SpecError as exc:
-        raise click.BadParameter(str(exc), param_hint="--config" if config or not command
-                                 else "--command") from None
+        raise click.ClickException(str(exc)) from None
+    if command:
+        try:
+            template = commands.name_of(command)
+        except SpecError as exc:
+            raise click.BadParameter(str(exc), param_hint="--command") from None
+    try:
+        return build(read_config(config), trainer, template, str(config or "--config"),
+                     commands)
+    except SpecError as exc:
+        raise click.BadParameter(str(exc), param_hint="--config" if config or not template
+                                 else "--template") from None
 
 
 def _check_job(r, name: str, waits: bool) -> None:
@@ -60,17 +73,20 @@ def _check_job(r, name: str, waits: bool) -> None:
               show_default=True,
               help="reference: dflash_tasks.training.reference (online DFlash in torch); command: an "
                    "external trainer (SpecForge's CLI by default) on an export of the rows.")
-@click.option("--command", "command", metavar="TEMPLATE",
-              help="The command trainer's command line, with {placeholders}: {data_path} "
-                   "{data_dir} {output_dir} {run_dir} {job} {run} {config_path} and the "
-                   "[command] section's values [specforge train --config {config_path}].")
+@click.option("--template", metavar="NAME",
+              help="The command trainer's command line, by name: one the training node defines "
+                   "(DFLASH_TRAIN_TEMPLATES, docs/SECURITY.md) [specforge: specforge train "
+                   "--config {config_path}].")
+@click.option("--command", "command", metavar="COMMAND_LINE",
+              help="The command line itself: accepted only when it is one of those templates "
+                   "(the run then names it).")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="TOML or JSON with [gate], [reference] and [command] sections "
                    "(docs/TRAINING.md).")
 @click.option("--name", "run_name", help="The run's name [JOB-train-N].")
 @click.option("--json", "as_json", is_flag=True, help="Print the new run as JSON.")
-def train(job: str, after_done: bool, min_rows: int | None, trainer: str, command: str | None,
-          config: Path | None, run_name: str | None, as_json: bool) -> None:
+def train(job: str, after_done: bool, min_rows: int | None, trainer: str, template: str | None,
+          command: str | None, config: Path | None, run_name: str | None, as_json: bool) -> None:
     """Queue a training run of the job's rows for a training worker (manage.py worker --queue
     train). The quality gate (validate) runs first and refuses the run when the data fails it.
     Without --after-done or --min-rows it is queued now, on the rows shipped so far."""
@@ -79,10 +95,12 @@ def train(job: str, after_done: bool, min_rows: int | None, trainer: str, comman
 
     if after_done and min_rows:
         raise click.UsageError("--after-done and --min-rows are exclusive")
-    if command and trainer != "command":
-        raise click.UsageError("--command needs --trainer command")
+    if (template or command) and trainer != "command":
+        raise click.UsageError("--template and --command need --trainer command")
+    if template and command:
+        raise click.UsageError("--template and --command are exclusive")
     trigger = "after-done" if after_done else "min-rows" if min_rows else "now"
-    spec = _spec(config, trainer, command)
+    spec = _spec(config, trainer, template, command)
     r = redis_or_fail()
     _check_job(r, job, waits=trigger != "now")
     try:
@@ -243,7 +261,7 @@ def _detail(run) -> None:
         if run.get(k) not in (None, ""):
             t.add_row(k.replace("_", " "), str(run.get(k)))
     if run.trainer == "command" and run.spec.get("command"):
-        t.add_row("command", run.spec["command"]["template"])
+        t.add_row("template", str(run.spec["command"]["template"]))
     gate = run.get("gate")
     if gate:
         t.add_row("quality gate", ("passed" if gate["passed"] else "FAILED") +

@@ -132,6 +132,11 @@ class Settings(BaseSettings):
     # beat queues a run whose heartbeat is older than train_stale_s again (its worker died: the
     # trainer resumes from its last checkpoint), at most train_max_restarts times.
     train_dir: Path | None = None
+    # The command lines a training node runs, by name, and the variables a run's env may set
+    # there: a TOML file on that node (training/queue/spec.py, node_commands; docs/SECURITY.md).
+    # A run's spec, from Redis, only names a template; without the file a node runs only the
+    # built-in `specforge`.
+    train_templates: Path | None = None
     train_heartbeat_s: float = 10.0
     train_stale_s: float = 300.0
     train_max_restarts: int = 3

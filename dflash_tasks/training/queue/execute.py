@@ -39,6 +39,8 @@ from dflash_tasks.worker.shutdown import Shutdown
 log = logging.getLogger(__name__)
 PUBLISH_EVERY_S = 2.0
 STOP_CHECK_EVERY_S = 1.0
+# Besides every DFLASH_* setting, the worker's environment the trainer does not inherit.
+WORKER_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
 class TrainingError(RuntimeError):
@@ -100,11 +102,12 @@ class RunSession:
         try:
             self.say(f"run {self.name}: job {self.run.job}, trainer {self.run.trainer}, on "
                      f"{self.hostname}, in {self.run_dir}")
+            command = None if self.run.trainer == "reference" else self.allowed_command()
             rules = self.gate()
-            if self.run.trainer == "reference":
+            if command is None:
                 outcome = self.train_reference()
             else:
-                outcome = self.train_command(rules)
+                outcome = self.train_command(rules, command)
             return self.finish(outcome, time.monotonic() - started)
         except Stopped as stop:
             return self.finish({"stopped": stop.reason}, time.monotonic() - started)
@@ -118,6 +121,21 @@ class RunSession:
         finally:
             self._beating.set()
             self.log.close()
+
+    def allowed_command(self) -> str:
+        """This node's command line for the template the run names, checked with the run's
+        values; else the run is refused before anything runs. The spec comes from Redis, which
+        others can write to: only what this node's own configuration allows runs here."""
+        command = self.run.spec.get("command") or {}
+        try:
+            values = command.get("values")
+            if not isinstance(values, dict):
+                raise spec.SpecError("the run's spec has no [command] values")
+            return spec.check_command(str(command.get("template")), values,
+                                      spec.node_commands(self.s.train_templates), "the run's spec")
+        except spec.SpecError as exc:
+            self.end(runs.REFUSED, error=str(exc))
+            raise TrainingError(f"training run {self.name} refused: {exc}") from None
 
     def gate(self):
         """The quality gate over what the job shipped; a failure refuses the run."""
@@ -172,7 +190,7 @@ class RunSession:
             outcome["stopped"] = self._stop_reason or "cancel"
         return outcome
 
-    def train_command(self, rules) -> dict:
+    def train_command(self, rules, template: str) -> dict:
         from dflash_tasks.training.data.exports import export_training
         from dflash_tasks.training.queue.specforge import (
             CONFIG_FILE,
@@ -181,8 +199,7 @@ class RunSession:
             template_for,
         )
 
-        command = self.run.spec["command"]
-        values = command["values"]
+        values = self.run.spec["command"]["values"]
         fmt = values["format"]
         data_dir = self.run_dir / "data"
         rules = export_rules(rules, fmt, values)  # conversations: no truncated rows unless asked
@@ -202,13 +219,19 @@ class RunSession:
         run_values = {"data_path": out.path, "data_dir": data_dir, "output_dir": self.ckpt_dir,
                       "run_dir": self.run_dir, "job": self.run.job, "run": self.name,
                       "config_path": self.run_dir / CONFIG_FILE}
-        if "{config_path}" in command["template"]:
+        if "{config_path}" in template:
             self._write_specforge_config(values, fmt, out.path, chat_template,
                                          run_values["config_path"])
         quoted = {k: shlex.quote(str(v)) for k, v in {**values, **run_values}.items()
                   if not isinstance(v, dict)}
-        argv = shlex.split(spec.fill_command(command["template"], quoted, {}))
-        env = {**os.environ, **{k: str(v) for k, v in (values.get("env") or {}).items()}}
+        argv = shlex.split(spec.fill_command(template, quoted, {}))
+        # The worker's secrets stay with the worker: DFLASH_REDIS_URL carries Redis's password,
+        # and the trainer reads its export and leaves the upload to the worker, so it needs
+        # neither that nor S3's keys (a trainer that prints its environment would put them in
+        # train.log and the run's log tail). The run's env is checked (allowed_command).
+        env = {**{k: v for k, v in os.environ.items()
+                  if not k.startswith("DFLASH_") and k not in WORKER_SECRETS},
+               **{k: str(v) for k, v in (values.get("env") or {}).items()}}
         self.set_phase("train")
         result = run_command(argv, cwd=self.run_dir, env=env, log=self.log,
                              on_progress=self._publish_tail,

@@ -3,7 +3,8 @@
 Fields of a run's hash (JSON where marked):
 
 - run, job, trainer ("reference" | "command"), trigger ("now" | "after-done" | "min-rows"),
-  min_rows, spec (JSON: the gate, reference and command sections of --config, the template);
+  min_rows, spec (JSON: the gate, reference and command sections of --config; the command's
+  template by name, never a command line: the training node holds those);
 - status: waiting -> queued -> running -> done | failed | refused | cancelled; created_at,
   queued_at, started_at, finished_at; attempts (times a worker started it); restarts (times it
   was handed back or found lost and queued again) and restart_reason (the latest);

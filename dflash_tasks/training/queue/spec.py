@@ -10,19 +10,25 @@ queued, and stored in the run (the training node does not need the file).
     block_size = 16
 
     [command]     # --trainer command: SpecForge's run config, and the command's {placeholders}
+    template = "specforge"               # the command line: a name the training node defines
     target_model = "/models/Qwen3-8B"
     nproc = 2                            # trainer ranks (GPUs 1-2; the capture server on GPU 0)
     format = "specforge-tokenized"       # the export the run hands over, as {data_path}
-    env = { NCCL_DEBUG = "WARN" }
+    env = { NCCL_DEBUG = "WARN" }        # only names the training node allows
     [command.specforge.training]         # any SpecForge config field, merged last
     batch_size = 4
 
 JSON with the same three objects works too. Paths are paths on the training node.
+
+The spec travels through Redis, and whoever can write there could write a spec: so a spec names
+its command line and never carries one. The command lines are the training node's own
+(`NodeCommands`, from its DFLASH_TRAIN_TEMPLATES file, plus the built-in `specforge`), as are
+the environment variables a spec may set; the node checks a spec again before it runs anything.
 """
 from __future__ import annotations
 
 import string
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -31,14 +37,27 @@ from dflash_tasks.training.data.exports import FILES
 from dflash_tasks.training.data.gate import Rules, Thresholds
 from dflash_tasks.training.reference.config import TrainConfig, read_table
 
-# SpecForge 0.2.0's one public entry point, on a run config the run writes from [command]
-# (training/queue/specforge.py): the specforge-tokenized export as its data.prompts_path, so it
-# trains on exactly the project's input_ids and loss_mask.
-DEFAULT_COMMAND = "{specforge_bin} train --config {config_path}"
+# The command lines every training node runs, by name. `specforge`: SpecForge 0.2.0's one public
+# entry point, on a run config the run writes from [command] (training/queue/specforge.py): the
+# specforge-tokenized export as its data.prompts_path, so it trains on exactly the project's
+# input_ids and loss_mask. A node's DFLASH_TRAIN_TEMPLATES file adds others, or redefines this
+# one (another specforge binary).
+BUILTIN_TEMPLATES = {"specforge": "specforge train --config {config_path}"}
+DEFAULT_TEMPLATE = "specforge"
+# What a spec's [command] env may set on every node: tuning knobs that name no file and load no
+# code (unlike LD_PRELOAD, PATH, PYTHONPATH, NCCL_NET_PLUGIN...). The node's file adds others.
+BUILTIN_ENV = ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "PYTORCH_CUDA_ALLOC_CONF",
+               "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS")
+# SpecForge fields a spec may not set: code from the model's repository, or a secret (a spec is
+# stored in Redis, readable by every node: keys belong in the training node's environment).
+REFUSED_SPECFORGE = {("model", "trust_remote_code"): "it runs code from the model's repository",
+                     ("tracking", "wandb_key"): "a secret: set WANDB_API_KEY on the training node",
+                     ("tracking", "swanlab_key"): "a secret: set SWANLAB_API_KEY on the training "
+                                                  "node"}
 
 # Values the default command and its run config use, with their defaults (the DFlash recipe's:
 # SpecForge's own schema defaults differ, docs/TRAINING.md says which).
-COMMAND_DEFAULTS = {"specforge_bin": "specforge", "nproc": 1, "block_size": 16,
+COMMAND_DEFAULTS = {"nproc": 1, "block_size": 16,
                     "drafter_layers": 1, "anchors_per_sequence": 512, "decay_gamma": 7.0,
                     "learning_rate": 6e-4,
                     "max_length": 4096, "epochs": 6, "checkpoint_every": 1000,
@@ -52,7 +71,67 @@ _GATE_FIELDS = {f.name for f in fields(Rules)} | {f.name for f in fields(Thresho
 
 
 class SpecError(ValueError):
-    """A bad --config or --command; the message names the file, section and field."""
+    """A bad --config or --template; the message names the file, section and field."""
+
+
+@dataclass(frozen=True)
+class NodeCommands:
+    """The command lines a training node runs, by name, and the environment variables a spec may
+    set there: the built-in ones plus its DFLASH_TRAIN_TEMPLATES file's."""
+    templates: dict[str, str]
+    env: frozenset[str]
+    source: str = "the built-in templates"
+
+    def template(self, name: str) -> str:
+        if name not in self.templates:
+            raise SpecError(f"template {name!r} is not one this training node runs (it runs: "
+                            f"{', '.join(sorted(self.templates))}; add it to {self.source} as "
+                            f'[templates] {name} = "COMMAND LINE")')
+        return self.templates[name]
+
+    def name_of(self, command: str) -> str:
+        """The name under which this exact command line is allowed."""
+        for name, text in self.templates.items():
+            if text == command:
+                return name
+        raise SpecError(f"--command {command!r} is not a command line this training node runs: a "
+                        f"run names one of its templates ({', '.join(sorted(self.templates))}); "
+                        f"add it to {self.source} as [templates] NAME = \"...\" on the training "
+                        "node (and here), then pass --template NAME")
+
+    def check_env(self, env: dict, source: str) -> None:
+        refused = sorted(set(env) - self.env)
+        if refused:
+            raise SpecError(f"{source} [command] env: {', '.join(refused)} may not be set by a "
+                            f"run (allowed: {', '.join(sorted(self.env))}; a training node allows "
+                            f"more with [env] allow = [...] in {self.source})")
+
+
+def node_commands(path: Path | None) -> NodeCommands:
+    """The node's NodeCommands: the built-in ones, plus those of the TOML file at `path`:
+
+        [templates]                   # NAME = "command line with {placeholders}"
+        my-trainer = "python /opt/train.py --data {data_path} --out {output_dir}"
+        [env]
+        allow = ["NCCL_SOCKET_IFNAME"]
+    """
+    if path is None:
+        return NodeCommands(dict(BUILTIN_TEMPLATES), frozenset(BUILTIN_ENV))
+    try:
+        data = read_table(path)
+    except ValueError as exc:
+        raise SpecError(f"DFLASH_TRAIN_TEMPLATES: {exc}") from None
+    templates, env = data.get("templates", {}), data.get("env", {})
+    unknown = sorted(set(data) - {"templates", "env"}) + sorted(set(env) - {"allow"})
+    if unknown:
+        raise SpecError(f"{path}: unknown section or field {unknown[0]!r} ([templates], [env] allow)")
+    if not (isinstance(templates, dict) and all(isinstance(v, str) for v in templates.values())):
+        raise SpecError(f'{path}: [templates] holds NAME = "command line" entries')
+    allow = env.get("allow", [])
+    if not (isinstance(allow, list) and all(isinstance(v, str) for v in allow)):
+        raise SpecError(f"{path}: [env] allow is a list of variable names")
+    return NodeCommands({**BUILTIN_TEMPLATES, **templates}, frozenset(BUILTIN_ENV) | set(allow),
+                        str(path))
 
 
 def read_config(path: Path | None) -> dict:
@@ -84,9 +163,12 @@ def gate_settings(section: dict, where: str = "[gate]") -> tuple[Rules, Threshol
         raise SpecError(f"{where}: {exc}") from None
 
 
-def build(config: dict, trainer: str, command: str | None, source: str = "--config") -> dict:
-    """The run's spec, checked: the reference trainer's config validates, the command template's
-    placeholders all have values."""
+def build(config: dict, trainer: str, template: str | None, source: str = "--config",
+          commands: NodeCommands | None = None) -> dict:
+    """The run's spec, checked: the reference trainer's config validates; the command trainer's
+    template is one of `commands` (the built-in ones by default), its placeholders all have
+    values, its env is allowed."""
+    commands = commands or node_commands(None)
     spec = {"trainer": trainer, "gate": config["gate"], "reference": {}, "command": {}}
     gate_settings(config["gate"], f"{source} [gate]")
     if trainer == "reference":
@@ -99,22 +181,43 @@ def build(config: dict, trainer: str, command: str | None, source: str = "--conf
         spec["reference"] = config["reference"]
     else:
         section = dict(config["command"])
-        template = command or section.pop("template", None) or DEFAULT_COMMAND
+        name = template or section.pop("template", None) or DEFAULT_TEMPLATE
         section.pop("template", None)
+        if "specforge_bin" in section:
+            raise SpecError(f"{source} [command] specforge_bin: the command line is the training "
+                            "node's: redefine its template there, [templates] specforge = "
+                            '"/path/to/specforge train --config {config_path}"')
         values = {**COMMAND_DEFAULTS, **section}
         if values["format"] not in FILES:
             raise SpecError(f"{source} [command] format: {values['format']!r} is not one of "
                             f"{', '.join(FILES)}")
-        if not isinstance(values.get("env", {}), dict):
-            raise SpecError(f"{source} [command] env: must be a table of NAME = \"value\"")
         if values["format"] == "specforge-conversations":
             _check_template(values["chat_template"], source)
         _check_keep_truncated(values, source)
-        if "{config_path}" in template:
+        check_command(name, values, commands, source)
+        if "{config_path}" in commands.template(name):
             _check_run_config(values, source)
-        fill_command(template, values, {p: f"<{p}>" for p in RUN_PLACEHOLDERS}, source)
-        spec["command"] = {"template": template, "values": values}
+        spec["command"] = {"template": name, "values": values}
     return spec
+
+
+def check_command(name: str, values: dict, commands: NodeCommands, source: str) -> str:
+    """The command line `name` stands for on this node, checked with the run's values: the
+    template is the node's, its placeholders have values, the env and the SpecForge fields are
+    allowed. `manage.py train` checks it, and the training node again, with its own commands,
+    before it runs anything."""
+    env = values.get("env", {})
+    if not isinstance(env, dict):
+        raise SpecError(f"{source} [command] env: must be a table of NAME = \"value\"")
+    commands.check_env(env, source)
+    extra = values.get("specforge") or {}
+    for (section, field), why in REFUSED_SPECFORGE.items():
+        if isinstance(extra, dict) and field in (extra.get(section) or {}):
+            raise SpecError(f"{source} [command.specforge.{section}] {field}: not from a run's "
+                            f"spec: {why}")
+    template = commands.template(name)
+    fill_command(template, values, {p: f"<{p}>" for p in RUN_PLACEHOLDERS}, source)
+    return template
 
 
 def _check_keep_truncated(values: dict, source: str) -> None:
