@@ -17,7 +17,9 @@ from typing import Callable, TypeVar
 import httpx
 import redis
 
+from dflash_tasks.core.connections import connect
 from dflash_tasks.core.keys import WORKERS, queue_for
+from dflash_tasks.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -130,7 +132,8 @@ class LocalCluster:
         return url
 
     def _redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.env["DFLASH_REDIS_URL"])
+        """A client of the deployment's Redis (its master, behind Sentinel)."""
+        return connect(Settings(redis_url=self.env["DFLASH_REDIS_URL"]))
 
     # -- simulated servers ---------------------------------------------------------------------------
 
