@@ -52,7 +52,9 @@ broker_transport_options = {
     "unacked_restore_throttle": 1,
     "socket_keepalive": True,
     "health_check_interval": 25,
-    **_sentinel,
+    # master_password: kombu loses broker_password when a failover moves it to the next sentinel
+    # (dflash_tasks/worker/transport.py's SentinelChannel).
+    **({**_sentinel, "master_password": broker_password} if _sentinel else {}),
 }
 result_backend_transport_options = {"visibility_timeout": _s.visibility_timeout_s, **_sentinel}
 

@@ -17,10 +17,10 @@ through what a day-long run meets. dflash_tasks/tasks/app.py registers them for 
    messages are still in Redis's `unacked` hash and come back after the visibility timeout (while
    their tasks, still running, record their rows; the redelivered copies are skipped as done).
 
-The Sentinel variant needs nothing more for a failover: its connections are redis-py's
-Sentinel-managed ones, which ask the sentinels for the master at every connect and drop a
-connection to a master that became a replica; the lost connection is the same reconnect as a
-Redis restart, through fix 2.
+For a failover the Sentinel variant needs one fix more (the master's password, see
+SentinelChannel): its connections are redis-py's Sentinel-managed ones, which ask the sentinels
+for the master at every connect and drop a connection to a master that became a replica; the
+lost connection is the same reconnect as a Redis restart, through fix 2.
 """
 from __future__ import annotations
 
@@ -99,7 +99,19 @@ class Channel(Fixes, kombu_redis.Channel):
 
 
 class SentinelChannel(Fixes, kombu_redis.SentinelChannel):
-    pass
+    """Also: the master's password comes from the transport option `master_password`. kombu's
+    `Connection.switch`, which moves on to the next sentinel of the URL when one cannot be
+    reached (a failover), replaces a password given apart from the URL (Celery's
+    broker_password) by that URL's none: every connection after it would be refused."""
+
+    from_transport_options = kombu_redis.SentinelChannel.from_transport_options + ("master_password",)
+    master_password = None
+
+    def _connparams(self, asynchronous=False):
+        params = super()._connparams(asynchronous=asynchronous)
+        if self.master_password:
+            params["password"] = self.master_password
+        return params
 
 
 class Transport(kombu_redis.Transport):
