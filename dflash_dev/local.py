@@ -132,8 +132,11 @@ class LocalCluster:
         return url
 
     def _redis(self) -> redis.Redis:
-        """A client of the deployment's Redis (its master, behind Sentinel)."""
-        return connect(Settings(redis_url=self.env["DFLASH_REDIS_URL"]))
+        """A client of the deployment's Redis (its master, behind Sentinel), with the Redis
+        settings its processes have."""
+        return connect(Settings(**{name[len("DFLASH_"):].lower(): value
+                                   for name, value in self.env.items()
+                                   if name.startswith("DFLASH_REDIS_")}))
 
     # -- simulated servers ---------------------------------------------------------------------------
 
