@@ -5,14 +5,22 @@ Values that depend on the deployment come from DFLASH_* environment variables (s
 from datetime import timedelta
 
 from dflash_tasks.core.keys import CONTROL_QUEUE, LAUNCH_TRAINING_TASK, MAINTAIN_TASK, TICK_TASK
-from dflash_tasks.core.settings import get_settings
+from dflash_tasks.core.settings import get_settings, sentinel_nodes
 
 _s = get_settings()
 
 broker_url = _s.redis_url
 result_backend = _s.redis_url
-# The broker's transport is kombu's Redis transport with two fixes (dflash_tasks/worker/
-# transport.py), registered for redis:// URLs by dflash_tasks/tasks/app.py, not named here.
+# The broker's transport is kombu's Redis transport (its Sentinel one for sentinel:// URLs) with
+# two fixes (dflash_tasks/worker/transport.py), registered for redis:// and sentinel:// URLs by
+# dflash_tasks/tasks/app.py, not named here. A sentinel:// result backend is Celery's
+# SentinelBackend. The password stays out of the URLs (Celery masks these settings' values):
+# the broker's and the result backend's, for a URL that has none.
+broker_password = redis_password = \
+    _s.redis_password.get_secret_value() if _s.redis_password else None
+# Both find the master of this name through the sentinels at every reconnect.
+_sentinel = {"master_name": _s.redis_master_name, "sentinel_kwargs": _s.sentinel_kwargs()} \
+    if sentinel_nodes(_s.redis_url) else {}
 include = ["dflash_tasks.tasks.generate", "dflash_tasks.tasks.control", "dflash_tasks.tasks.train"]
 
 # JSON only: a worker never unpickles what it reads from the broker. A message in another
@@ -44,8 +52,11 @@ broker_transport_options = {
     "unacked_restore_throttle": 1,
     "socket_keepalive": True,
     "health_check_interval": 25,
+    # master_password: kombu loses broker_password when a failover moves it to the next sentinel
+    # (dflash_tasks/worker/transport.py's SentinelChannel).
+    **({**_sentinel, "master_password": broker_password} if _sentinel else {}),
 }
-result_backend_transport_options = {"visibility_timeout": _s.visibility_timeout_s}
+result_backend_transport_options = {"visibility_timeout": _s.visibility_timeout_s, **_sentinel}
 
 # Redis restarts (a day-long run sees them): workers and beat reconnect by themselves, forever.
 broker_connection_retry_on_startup = True

@@ -17,7 +17,9 @@ from typing import Callable, TypeVar
 import httpx
 import redis
 
+from dflash_tasks.core.connections import connect
 from dflash_tasks.core.keys import WORKERS, gpu_name
+from dflash_tasks.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -136,7 +138,11 @@ class LocalCluster:
         return gpu_name(self.node, index)
 
     def _redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.env["DFLASH_REDIS_URL"])
+        """A client of the deployment's Redis (its master, behind Sentinel), with the Redis
+        settings its processes have."""
+        return connect(Settings(**{name[len("DFLASH_"):].lower(): value
+                                   for name, value in self.env.items()
+                                   if name.startswith("DFLASH_REDIS_")}))
 
     # -- simulated servers ---------------------------------------------------------------------------
 

@@ -66,7 +66,7 @@ class Cluster(LocalCluster):
             **({"DFLASH_ALLOW_NO_PERSISTENCE": "1"} if os.environ.get("DFLASH_TEST_REDIS_URL") else {}),
             **{f"DFLASH_{k.upper()}": str(v) for k, v in settings.items()},
         })
-        self.r = redis.Redis.from_url(redis_url)
+        self.r = self._redis()
 
     def manage(self, *args: str, check: bool = True):
         """manage.py's result, its output captured; a failure (with check) shows both streams."""

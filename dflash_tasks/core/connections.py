@@ -1,21 +1,37 @@
-"""The process's Redis client (thread-safe; redis-py's pool re-opens after a fork) and the check
-that its Redis persists."""
+"""The process's Redis client (thread-safe; redis-py's pool re-opens after a fork), on one Redis
+or on the master Redis Sentinel names, and the check that its Redis persists."""
 from __future__ import annotations
 
 import logging
 from functools import lru_cache
 
 import redis
+from redis.sentinel import Sentinel
 
-from dflash_tasks.core.settings import Settings, get_settings, redact_url
+from dflash_tasks.core.settings import Settings, get_settings, redact_url, sentinel_nodes
 
 log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=1)
 def redis_client() -> redis.Redis:
-    return redis.Redis.from_url(get_settings().redis_url, health_check_interval=30,
-                                socket_keepalive=True, retry_on_timeout=True)
+    return connect(get_settings(), health_check_interval=30, socket_keepalive=True,
+                   retry_on_timeout=True)
+
+
+def connect(s: Settings, **options) -> redis.Redis:
+    """A client of s.redis_url with s's password. For a sentinel:// URL, a client of the master
+    of s.redis_master_name: each new connection asks the sentinels where the master is, and a
+    connection to a master that went away (or became a replica) is dropped, so the client
+    follows a failover by itself (a command that was on the lost connection fails; the
+    callers' retries cover that)."""
+    password = s.redis_password.get_secret_value() if s.redis_password else None
+    found = sentinel_nodes(s.redis_url)
+    if found is None:
+        return redis.Redis.from_url(s.redis_url, password=password, **options)
+    nodes, db = found
+    return Sentinel(nodes, sentinel_kwargs=s.sentinel_kwargs()).master_for(
+        s.redis_master_name, db=db, password=password, **options)
 
 
 class PersistenceError(RuntimeError):

@@ -17,9 +17,28 @@ from dflash_tasks.core.keys import check_node_name, parse_gpu
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="DFLASH_", extra="ignore")
+    # hide_input_in_errors: a rejected value (a URL) may hold a password.
+    model_config = SettingsConfigDict(env_prefix="DFLASH_", extra="ignore", hide_input_in_errors=True)
 
+    # One Redis (redis://[:password@]host:port/db, rediss://), or Redis Sentinel in kombu's
+    # syntax, sentinel://host:26379;sentinel://host2:26379 (a db other than 0 on every
+    # sentinel: sentinel://host:26379/2;sentinel://host2:26379/2): every process asks the
+    # sentinels for the master of redis_master_name whenever it (re)connects, so a failover is
+    # followed without a restart.
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_master_name: str = "mymaster"
+    # The password of the Redis servers (their requirepass; the replicas' masterauth), outside
+    # the URL so nothing that prints a URL can show it; one written in a redis:// URL wins. The
+    # sentinels have their own (sentinel.conf's requirepass), if any. A sentinel:// URL carries
+    # none: kombu and Celery would take it for the master's, an operator for the sentinels'.
+    redis_password: SecretStr | None = None
+    redis_sentinel_password: SecretStr | None = None
+    # Replication is asynchronous: a failover can lose the master's last writes. With
+    # redis_wait_replicas > 0 (1 recommended with Sentinel), a row is recorded, and a batch
+    # shipped, only once that many replicas have it (Redis WAIT), waiting at most
+    # redis_wait_timeout_ms (then it goes on, with a warning: a replica down must not stop the run).
+    redis_wait_replicas: int = Field(0, ge=0)
+    redis_wait_timeout_ms: int = Field(1000, ge=1)
     output_dir: Path = Path("output")
     s3_uri: str | None = None
     # Workers and beat refuse a Redis that persists nothing (neither AOF nor RDB): its restart
@@ -153,6 +172,20 @@ class Settings(BaseSettings):
     def _node_name(cls, value: str) -> str:
         return check_node_name(value)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_is_usable(cls, url: str) -> str:
+        sentinel_nodes(url)  # a malformed sentinel:// URL fails here, with what to write instead
+        return url
+
+    def sentinel_kwargs(self) -> dict:
+        """redis-py's arguments for the connections to the sentinels (kombu's and Celery's
+        `sentinel_kwargs` too): their password, and timeouts, so that a sentinel that hangs is
+        given up for the next one instead of stalling a reconnect."""
+        secret = self.redis_sentinel_password
+        return {"socket_timeout": 5.0, "socket_connect_timeout": 5.0,
+                **({"password": secret.get_secret_value()} if secret else {})}
+
     def training_dir(self) -> Path:
         return self.train_dir or self.output_dir / "training"
 
@@ -174,8 +207,42 @@ def get_settings() -> Settings:
     return Settings()
 
 
+SENTINEL_PORT = 26379
+
+
+def sentinel_nodes(url: str) -> tuple[list[tuple[str, int]], int] | None:
+    """The sentinels, as (host, port), and the db of a `sentinel://` URL (kombu's syntax, several
+    joined by `;`); None for any other URL. Raises ValueError for one that kombu, Celery and
+    redis-py would not read alike."""
+    chunks = [chunk.strip() for chunk in url.split(";") if chunk.strip()]
+    if not chunks or urlsplit(chunks[0]).scheme != "sentinel":
+        return None
+    nodes, dbs = [], []
+    for chunk in chunks:
+        parts = urlsplit(chunk)
+        if parts.scheme != "sentinel" or not parts.hostname:
+            raise ValueError(f"{redact_url(chunk)}: each part of a Sentinel URL is "
+                             "sentinel://host[:port][/db], joined by ';'")
+        if parts.username or parts.password is not None:
+            raise ValueError(f"{redact_url(chunk)}: no credentials in a Sentinel URL; set "
+                             "DFLASH_REDIS_PASSWORD (the master's) and DFLASH_REDIS_SENTINEL_PASSWORD")
+        nodes.append((parts.hostname, parts.port or SENTINEL_PORT))
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise ValueError(f"{redact_url(chunk)}: the db is a number")
+        dbs.append(int(db) if db else 0)
+    if len(set(dbs)) > 1:
+        raise ValueError(f"{redact_url(url)}: kombu reads the db of the sentinel it connects "
+                         "through, Celery the first one's: give the same db on every sentinel "
+                         "(none means 0)")
+    return nodes, dbs[0]
+
+
 def redact_url(url: str) -> str:
-    """The URL with any password replaced, for logs and error messages."""
+    """The URL with any password replaced, for logs and error messages; each part of a
+    `;`-joined one (Sentinel)."""
+    if ";" in url:
+        return ";".join(redact_url(chunk) for chunk in url.split(";"))
     parts = urlsplit(url)
     if parts.password is None:
         return url

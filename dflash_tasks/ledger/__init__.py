@@ -8,6 +8,8 @@ and reviewable on its own; this module alone registers them and names the keys e
 from __future__ import annotations
 
 import json
+import logging
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -17,9 +19,12 @@ import redis
 
 from dflash_tasks.core.connections import redis_client
 from dflash_tasks.core.keys import JobKeys, queue_for
+from dflash_tasks.core.settings import Settings, get_settings
 from dflash_tasks.ledger.messages import decode_messages
 
+log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
+LAGGING_WARN_EVERY_S = 60.0
 HIST_BUCKET_TOKENS = 64   # output-length histogram resolution, for percentiles without scans
 
 
@@ -36,8 +41,11 @@ class TaskState:
 
 
 class Ledger:
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: redis.Redis, *, wait_replicas: int = 0, wait_timeout_ms: int = 1000):
         self.r = client
+        # Settings.redis_wait_replicas: rows (and batches) wait until the replicas have them.
+        self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
+        self._lagging_warned_at = -LAGGING_WARN_EVERY_S
         prelude = {"complete": "elsewhere", "fail": "elsewhere"}  # Lua functions they call
         self._scripts = {
             name: client.register_script("".join(
@@ -123,12 +131,21 @@ class Ledger:
         k = JobKeys(job)
         meta = row["metadata"]
         out = int(meta["completion_tokens"])
-        return bool(self._scripts["complete"](
-            keys=[k.done, k.inflight(gpu), k.prompts, k.failed, k.counters, k.rate, k.output,
-                  k.pending, k.config, k.gpus],
-            args=[prompt_id, json.dumps(row, ensure_ascii=False, separators=(",", ":")),
-                  int(meta["prompt_tokens"]), out, meta["finish_reason"], gpu, rate_bucket_s,
-                  out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, k.inflight("")]))
+        keys = [k.done, k.inflight(gpu), k.prompts, k.failed, k.counters, k.rate, k.output,
+                k.pending, k.config, k.gpus]
+        args = [prompt_id, json.dumps(row, ensure_ascii=False, separators=(",", ":")),
+                int(meta["prompt_tokens"]), out, meta["finish_reason"], gpu, rate_bucket_s,
+                out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, k.inflight("")]
+        if not self.wait_replicas:
+            return bool(self._scripts["complete"](keys=keys, args=args))
+        # WAIT counts the replicas that have the writes of its own connection: in one pipeline
+        # with the script, or it could prove nothing about this row.
+        pipe = self.r.pipeline(transaction=False)
+        self._scripts["complete"](keys=keys, args=args, client=pipe)
+        pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+        recorded, replicas = pipe.execute()
+        self._check_replicas(replicas, f"prompt {prompt_id}'s row")
+        return bool(recorded)
 
     def fail(self, job: str, prompt_id: str, gpu: str, record: dict) -> bool:
         """Enter a prompt in the failed registry. False when it was done or already failed."""
@@ -165,6 +182,30 @@ class Ledger:
         return bool(self._scripts["record_batch"](keys=[k.manifest, k.counters],
                                                   args=[name, json.dumps(record), record["bytes"], *extra]))
 
+    def replicate_sealing(self, job: str, intent: str) -> None:
+        """Before a batch ships, with wait_replicas: wait until the replicas have every write so
+        far, the batch's rows among them (beat may have read a row before its task's WAIT). The
+        intent is written again, unchanged, because WAIT counts its own connection's writes."""
+        if not self.wait_replicas:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(JobKeys(job).sealing, intent, xx=True)
+        pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+        self._check_replicas(pipe.execute()[-1], f"job {job}'s batch")
+
+    def _check_replicas(self, replicas: int, what: str) -> None:
+        """Fewer replicas than asked within the timeout: the write stands on the master alone
+        (a failover now may lose it; the ledger recovers it then, docs/WHEN_THINGS_FAIL.md). Go
+        on, and say so once a minute: a replica down must not stop the run."""
+        if replicas >= self.wait_replicas:
+            return
+        now = time.monotonic()
+        if now - self._lagging_warned_at >= LAGGING_WARN_EVERY_S:
+            self._lagging_warned_at = now
+            log.warning("%s reached %d of %d replica(s) within %d ms (DFLASH_REDIS_WAIT_REPLICAS): "
+                        "a failover now could lose it; is a replica down or behind?", what,
+                        replicas, self.wait_replicas, self.wait_timeout_ms)
+
     def clear_sealing(self, job: str, intent: str) -> bool:
         """Clear the job's sealing intent if it is still `intent` (batches.py's last step)."""
         return bool(self._scripts["clear_sealing"](keys=[JobKeys(job).sealing], args=[intent]))
@@ -188,7 +229,12 @@ def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def ledger_for(r: redis.Redis, s: Settings) -> Ledger:
+    """A Ledger on r that waits for s's replicas."""
+    return Ledger(r, wait_replicas=s.redis_wait_replicas, wait_timeout_ms=s.redis_wait_timeout_ms)
+
+
 @lru_cache(maxsize=1)
 def shared_ledger() -> Ledger:
     """The process's Ledger, on its Redis client."""
-    return Ledger(redis_client())
+    return ledger_for(redis_client(), get_settings())

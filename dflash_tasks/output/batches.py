@@ -160,6 +160,7 @@ class BatchWriter:
         recorded = bool(self.r.hexists(k.manifest, name))
         if entries and not recorded:
             data, record, stats = self._build(job, name, [fields[b"row"] for _, fields in entries])
+            self.book.replicate_sealing(job, raw_intent)  # nothing ships that a failover may lose
             lock.still_held()
             self.storage.put(record["key"], data)
             lock.still_held()

@@ -11,7 +11,7 @@ import redis
 
 from dflash_tasks.core.connections import redis_client
 from dflash_tasks.core.settings import Settings, get_settings, redact_url
-from dflash_tasks.ledger import Ledger
+from dflash_tasks.ledger import ledger_for
 from dflash_tasks.sglang import SGLangClient
 from dflash_tasks.worker import heartbeat, server_metrics
 from dflash_tasks.worker.breaker import CircuitBreaker, publisher
@@ -22,7 +22,7 @@ class WorkerRuntime:
     def __init__(self, settings: Settings, r: redis.Redis):
         self.settings = settings
         self.r = r
-        self.book = Ledger(r)
+        self.book = ledger_for(r, settings)
         self.shutdown = Shutdown()
         self._lock = threading.Lock()
         self._clients: dict[str, SGLangClient] = {}

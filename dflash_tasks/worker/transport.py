@@ -1,5 +1,6 @@
-"""kombu's Redis transport with two fixes that keep a worker alive through what a day-long run
-meets. dflash_tasks/tasks/app.py registers it for `redis://` URLs (see `register`).
+"""kombu's Redis transport, and its Sentinel variant, with two fixes that keep a worker alive
+through what a day-long run meets. dflash_tasks/tasks/app.py registers them for `redis://` and
+`sentinel://` URLs (see `register`).
 
 1. A queue entry that is not a kombu message at all (not JSON, JSON without kombu's envelope, a
    body that is not valid base64) is logged and dropped. kombu 5.7 decodes the envelope of an
@@ -15,6 +16,11 @@ meets. dflash_tasks/tasks/app.py registers it for `redis://` URLs (see `register
    which Celery handles by reconnecting, and the restore is skipped with a log line: those
    messages are still in Redis's `unacked` hash and come back after the visibility timeout (while
    their tasks, still running, record their rows; the redelivered copies are skipped as done).
+
+For a failover the Sentinel variant needs one fix more (the master's password, see
+SentinelChannel): its connections are redis-py's Sentinel-managed ones, which ask the sentinels
+for the master at every connect and drop a connection to a master that became a replica; the
+lost connection is the same reconnect as a Redis restart, through fix 2.
 """
 from __future__ import annotations
 
@@ -51,7 +57,9 @@ class QoS(kombu_redis.QoS):
             return []
 
 
-class Channel(kombu_redis.Channel):
+class Fixes:
+    """The fixes, for kombu's Channel and its SentinelChannel alike."""
+
     Message = Message
     QoS = QoS
 
@@ -86,16 +94,42 @@ class Channel(kombu_redis.Channel):
             return None
 
 
+class Channel(Fixes, kombu_redis.Channel):
+    pass
+
+
+class SentinelChannel(Fixes, kombu_redis.SentinelChannel):
+    """Also: the master's password comes from the transport option `master_password`. kombu's
+    `Connection.switch`, which moves on to the next sentinel of the URL when one cannot be
+    reached (a failover), replaces a password given apart from the URL (Celery's
+    broker_password) by that URL's none: every connection after it would be refused."""
+
+    from_transport_options = kombu_redis.SentinelChannel.from_transport_options + ("master_password",)
+    master_password = None
+
+    def _connparams(self, asynchronous=False):
+        params = super()._connparams(asynchronous=asynchronous)
+        if self.master_password:
+            params["password"] = self.master_password
+        return params
+
+
 class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
+class SentinelTransport(kombu_redis.SentinelTransport):
+    Channel = SentinelChannel
+
+
 def register() -> None:
-    """Make `redis://` (and `rediss://`) URLs use this transport in this process. An alias, not
-    Celery's `broker_transport`: kombu re-reads the transport from the URL's scheme when it
-    reconnects (`Connection.switch`), which would bring back the unpatched one after the first
-    Redis restart."""
+    """Make `redis://` (and `rediss://`) URLs use this Transport in this process, `sentinel://`
+    ones its SentinelTransport. An alias, not Celery's `broker_transport`: kombu re-reads the
+    transport from the URL's scheme when it reconnects (`Connection.switch`, which also moves on
+    to the next sentinel of the URL), which would bring back the unpatched one after the first
+    Redis restart or failover."""
     from kombu.transport import TRANSPORT_ALIASES
 
-    for scheme in ("redis", "rediss"):
-        TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"
+    for scheme, transport in (("redis", "Transport"), ("rediss", "Transport"),
+                              ("sentinel", "SentinelTransport")):
+        TRANSPORT_ALIASES[scheme] = f"{__name__}:{transport}"
