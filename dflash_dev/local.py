@@ -100,13 +100,13 @@ class LocalCluster:
     """Processes started here, stopped together (workers and beat first, Redis last). Servers,
     workers and beat are kept by GPU (`servers`, `workers`, `beat`); every child by its log name
     too (`named`: the benchmarks read their CPU times). Its GPUs are those of one node, `node`
-    ("local" unless DFLASH_NODE says otherwise): GPU I is `gpu(I)`, "gpuI@local"."""
+    ("local" by default): GPU I is `gpu(I)`, "gpuI@local"."""
 
-    def __init__(self, logs: Path, env: dict[str, str] | None = None):
+    def __init__(self, logs: Path, env: dict[str, str] | None = None, node: str = "local"):
         self.logs = logs
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "DFLASH_NODE": "local", **(env or {})}
-        self.node = self.env["DFLASH_NODE"]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.node = node
         self.children: list[Proc] = []
         self.named: dict[str, Proc] = {}
         self.servers: dict[int, tuple[int, Proc]] = {}  # gpu -> (port, server)
@@ -195,7 +195,8 @@ class LocalCluster:
     def _spawn_worker(self, gpu: int, args) -> Proc:
         self._redis().hdel(WORKERS, self.gpu(gpu))  # a registration left by an earlier worker
         return self.spawn(f"worker{gpu}", python("manage.py", "worker", "--gpu", str(gpu),
-                                                 "--sglang-url", self.url(gpu), *args))
+                                                 "--node", self.node, "--sglang-url",
+                                                 self.url(gpu), *args))
 
     def _await_registered(self, gpu: int, proc: Proc) -> Proc:
         r = self._redis()

@@ -15,7 +15,15 @@ import redis
 from celery import Celery
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import GENERATE_TASK, WORKERS, WORKERS_SEEN, JobKeys, gpu_order, parse_gpu, queue_for
+from dflash_tasks.core.keys import (
+    GENERATE_TASK,
+    WORKERS,
+    WORKERS_SEEN,
+    JobKeys,
+    gpu_order,
+    parse_gpu,
+    queue_for,
+)
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger import Ledger
 

@@ -1,9 +1,9 @@
 """A worker's life as Celery signals it, however it was launched (`manage.py worker` or plain
-`celery -A dflash_tasks worker -Q gpu3@node-a`), connected explicitly by `connect`: refuse a Redis that
-persists nothing, wait until its SGLang server is healthy before taking work, register its
-concurrency (the dispatch window is sized from it), start its reports, fill its queue; on a
-reconnect, put back what no task holds; on a stop, hand its prompts back (the runtime's
-shutdown) and remove its heartbeat."""
+`celery -A dflash_tasks worker -Q gpu3@node-a`), connected explicitly by `connect`: refuse a
+Redis that persists nothing, wait until its SGLang server is healthy before taking work,
+register its concurrency (the dispatch window is sized from it), start its reports, fill its
+queue; on a reconnect, put back what no task holds; on a stop, hand its prompts back (the
+runtime's shutdown) and remove its heartbeat."""
 from __future__ import annotations
 
 import json
