@@ -283,7 +283,7 @@ def test_permanent_failures_are_registered_at_once_and_retry_failed_is_idempoten
     assert second["requeued"] == 0
     assert first["status"] == "running"  # a done job with work again runs
     waiting = {m.decode() for m in c.r.lrange("dflash:{perm}:pending", 0, -1)} | \
-        {m.decode() for m in c.r.zrange("dflash:{perm}:inflight:0", 0, -1)}
+        {m.decode() for m in c.r.zrange(f"dflash:{{perm}}:inflight:{c.gpu(0)}", 0, -1)}
     assert waiting == bad                            # each once, nothing else
     assert c.status("perm")["failed"] == 0 and failed_registry(c, "perm") == {}
     c.start_worker(0)

@@ -131,17 +131,26 @@ def test_delete_removes_every_key_and_keeps_other_jobs(c, tmp_path):
 
 
 def test_fewer_gpus_on_a_resume_moves_their_prompts_to_the_gpus_kept(c, tmp_path):
+    # Four GPUs whose workers registered and beat now (no worker consumes: their windows stay
+    # in flight), so the enqueue fills all four.
+    seconds, _ = c.r.time()
+    for gpu in range(4):
+        c.r.hset("dflash:workers", c.gpu(gpu), json.dumps({"concurrency": 8}))
+        c.r.hset("dflash:workers:seen", c.gpu(gpu), seconds + 3600)
+    inflight = {gpu: f"dflash:{{{JOB}}}:inflight:{c.gpu(gpu)}" for gpu in range(4)}
     data = write_jsonl(tmp_path / "d.jsonl", prompts(400))
     c.manage("enqueue", "--dataset", str(data), "--job", JOB, "--gpus", "4")
-    stranded = c.r.zcard(f"dflash:{{{JOB}}}:inflight:2") + c.r.zcard(f"dflash:{{{JOB}}}:inflight:3")
-    assert stranded > 0
+    stranded = c.r.zcard(inflight[2]) + c.r.zcard(inflight[3])
+    assert stranded == 2 * 12  # two windows of 8 x 1.5
     out = c.manage("enqueue", "--dataset", str(data), "--job", JOB, "--gpus", "2")
     assert f"{stranded:,} prompts in flight" in out.stdout
     for gpu in (2, 3):
-        assert c.r.zcard(f"dflash:{{{JOB}}}:inflight:{gpu}") == 0
-        assert c.r.llen(f"gpu{gpu}") == 0  # their messages are gone from the queues
+        assert c.r.zcard(inflight[gpu]) == 0
+        assert c.r.llen(c.gpu(gpu)) == 0  # their messages are gone from the queues
+    assert c.r.zcard(inflight[0]) == c.r.zcard(inflight[1]) == 12
     snap = c.status(JOB)
     assert snap["pending"] + snap["in_flight"] == snap["total"] == 400
+    assert set(snap["gpus"]) == {c.gpu(g) for g in range(4)}  # the dropped ones still shown
 
 
 def test_beat_survives_a_bad_job_name(tmp_path, redis_url):
