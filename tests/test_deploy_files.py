@@ -175,6 +175,9 @@ def test_redis_is_persistent_and_never_evicts():
     assert opts.get("--appendonly") == "yes"
     assert opts.get("--appendfsync") == "everysec"
     assert opts.get("--maxmemory-policy") == "noeviction"
+    # A bound, so that beat's memory hold (DFLASH_REDIS_MEMORY_HOLD_RATIO of it) stops dispatch
+    # before Redis refuses writes.
+    assert opts.get("--maxmemory") == "16gb"
     assert any(str(v).split(":")[0] in COMPOSE["volumes"] and str(v).split(":")[1] == "/data"
                for v in redis_service["volumes"])
 
@@ -210,6 +213,7 @@ def test_redis_without_the_password_refuses_the_deployments_connections(tmp_path
         served = redis.Redis.from_url(url)
         assert served.set("k", "v") and served.get("k") == b"v"
         assert served.config_get("appendonly") == {"appendonly": "yes"}
+        assert int(served.config_get("maxmemory")["maxmemory"]) == 16 * 1024 ** 3
         assert PASSWORD not in server.log()
     finally:
         server.stop()

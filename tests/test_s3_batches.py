@@ -188,12 +188,12 @@ def test_s3_unreachable_for_a_while_then_back(cluster, moto, tmp_path):
                timeout=180, what="a first upload")
     proxy.stop()
     try:
-        # Generation goes on; rows wait in Redis; progress.json (local) keeps coming and shows
-        # the backlog and the error.
+        # Generation goes on; the sealed batches go to beat's spool, not Redis; progress.json
+        # (local) keeps coming and shows them and the error.
         def backlog_shown():
             snap = json.loads(progress.read_text())
             return (snap["storage_error"] and snap["completed"] == 800
-                    and snap["unsealed_rows"] > 0 and snap) or None
+                    and snap["spooled_batches"] > 0 and snap["unsealed_rows"] == 0 and snap) or None
 
         snap = wait_until(backlog_shown, timeout=240, interval=0.5, what="the backlog in progress.json")
         assert "s3://" in snap["storage_error"]["error"]

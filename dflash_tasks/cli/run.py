@@ -199,8 +199,17 @@ def _status_table(snap: dict, width: int | None = None) -> Table:
     where = snap.get("s3_uri") or "local"
     t.add_row("batches", f"{snap['batches']:,} ({snap['batch_bytes']:,} bytes, {where}), "
                          f"{snap['unsealed_rows']:,} rows waiting")
+    if snap.get("spooled_batches"):
+        t.add_row("[yellow]spool[/]", f"{snap['spooled_batches']:,} batches "
+                                      f"({snap['spooled_bytes']:,} bytes) on beat's disk, "
+                                      "uploaded in order when the storage answers")
     if snap.get("storage_error"):
         t.add_row("[red]storage error[/]", str(snap["storage_error"].get("error")))
+    if held := snap.get("dispatch_held"):
+        why = ("no sealed batch can leave Redis (the storage error above)"
+               if held["reason"] == "storage" else held["error"])
+        t.add_row("[red]dispatch held[/]", f"{why}: no new work starts until this clears, "
+                                           "then it resumes by itself")
     if snap["status"] in ("running", "cancelled") and not _beat_ticking(snap.get("beat_age_s")):
         age = snap.get("beat_age_s")
         t.add_row("[red]beat[/]", ("no tick ever" if age is None else f"no tick for {age:,.0f} s")

@@ -17,6 +17,9 @@ BREAKERS = f"{PREFIX}:breakers"  # hash: GPU -> JSON {state, consecutive_failure
 SERVERS = f"{PREFIX}:servers"    # hash: GPU -> JSON of its SGLang server's /metrics sample
 WORKERS_SEEN = f"{PREFIX}:workers:seen"  # hash: GPU -> Redis time of the worker's last heartbeat
 BEAT_SEEN = f"{PREFIX}:beat:seen"  # string: Redis time of beat's last tick (status: is beat running?)
+# string: JSON {used_memory, maxmemory, since}, present while Redis's memory is above the hold
+# ratio of its maxmemory: no job dispatches (take.lua) until beat's maintain finds it below.
+MEMORY_HOLD = f"{PREFIX}:memory:hold"
 
 # Celery task and queue names: the contract between the processes that send and run messages
 # (renaming one strands the messages already queued under the old name).
@@ -144,6 +147,10 @@ class JobKeys:
 
     def quality(self, part: str) -> str:  # training/data/monitor.py: cursor, window, sampled, ...
         return self._k(f"quality:{part}")
+
+    @property
+    def hold(self) -> str:        # hash: reason, error, since: present while the job dispatches nothing
+        return self._k("hold")
 
     @property
     def storage_error(self) -> str:  # hash: error, since, last_at, failures (while storage fails)

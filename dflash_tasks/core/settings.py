@@ -41,6 +41,13 @@ class Settings(BaseSettings):
     redis_wait_timeout_ms: int = Field(1000, ge=1)
     output_dir: Path = Path("output")
     s3_uri: str | None = None
+    # Where beat keeps the sealed batches S3 cannot take (an outage), until it can: a directory
+    # on beat's own disk, <output_dir>/.spool by default (a job name never starts with a dot).
+    spool_dir: Path | None = None
+    # Dispatch stops (take.lua) while Redis's used_memory is at or above this share of its
+    # maxmemory (docker-compose.yml sets one), so that the rows of the requests already in
+    # flight still fit before Redis, with noeviction, refuses writes. No maxmemory: no check.
+    redis_memory_hold_ratio: float = Field(0.8, gt=0, le=1)
     # Workers and beat refuse a Redis that persists nothing (neither AOF nor RDB): its restart
     # loses the whole ledger. True accepts that (a throw-away run).
     allow_no_persistence: bool = False
@@ -185,6 +192,9 @@ class Settings(BaseSettings):
         secret = self.redis_sentinel_password
         return {"socket_timeout": 5.0, "socket_connect_timeout": 5.0,
                 **({"password": secret.get_secret_value()} if secret else {})}
+
+    def spool_path(self) -> Path:
+        return self.spool_dir or self.output_dir / ".spool"
 
     def training_dir(self) -> Path:
         return self.train_dir or self.output_dir / "training"

@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 import redis
 
 from dflash_tasks.core.connections import redis_client
-from dflash_tasks.core.keys import JobKeys, queue_for
+from dflash_tasks.core.keys import MEMORY_HOLD, JobKeys, queue_for
 from dflash_tasks.core.settings import Settings, get_settings
 from dflash_tasks.ledger.messages import decode_messages
 
@@ -51,7 +51,8 @@ class Ledger:
             name: client.register_script("".join(
                 (_HERE / f"{part}.lua").read_text() for part in (prelude.get(name), name) if part))
             for name in ("unknown_ids", "add_prompts", "take", "complete", "fail", "record_batch", "retry",
-                         "requeue_failed", "reopen", "recall", "clear_sealing", "train_run_set")}
+                         "requeue_failed", "reopen", "recall", "clear_sealing", "ship_spooled",
+                         "train_run_set")}
 
     # -- enqueue ---------------------------------------------------------------------------------
 
@@ -74,9 +75,11 @@ class Ledger:
              reply_to: str) -> list[str]:
         """Top gpu's window up from pending and publish a `task` message per id taken onto its
         queue, in one call; at the end of the run, steal from the job's other GPUs (take.lua).
-        Nothing when the job's GPU selection does not allow `gpu`. Returns the ids taken."""
+        Nothing when the job's GPU selection does not allow `gpu`, nor while dispatch is held
+        (the job's batches can go nowhere, or Redis is near its maxmemory). Returns the ids taken."""
         k = JobKeys(job)
-        ids = self._scripts["take"](keys=[k.config, k.pending, k.inflight(gpu), k.gpus, queue_for(gpu)],
+        ids = self._scripts["take"](keys=[k.config, k.pending, k.inflight(gpu), k.gpus, queue_for(gpu),
+                                          k.hold, MEMORY_HOLD],
                                     args=[window, job, gpu, task, origin, reply_to, k.inflight("")])
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
@@ -181,6 +184,15 @@ class Ledger:
         extra = [x for field, inc in (stats or {}).items() for x in (field, int(inc))]
         return bool(self._scripts["record_batch"](keys=[k.manifest, k.counters],
                                                   args=[name, json.dumps(record), record["bytes"], *extra]))
+
+    def ship_spooled(self, job: str, name: str, spooled: str, shipped: str,
+                     counts: dict[str, int]) -> bool:
+        """A spooled batch is in the storage now: its manifest record `spooled` (as read)
+        becomes `shipped`, and `counts` are added, once (ship_spooled.lua)."""
+        k = JobKeys(job)
+        extra = [x for field, inc in counts.items() for x in (field, int(inc))]
+        return bool(self._scripts["ship_spooled"](keys=[k.manifest, k.counters],
+                                                  args=[name, spooled, shipped, *extra]))
 
     def replicate_sealing(self, job: str, intent: str) -> None:
         """Before a batch ships, with wait_replicas: wait until the replicas have every write so

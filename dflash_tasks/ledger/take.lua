@@ -1,8 +1,9 @@
 -- Top one GPU's window up: move ids from pending to that GPU's in-flight set, and publish their
 -- Celery task messages onto its queue.
--- KEYS: config, pending, inflight(gpu), gpus, queue(gpu)
+-- KEYS: config, pending, inflight(gpu), gpus, queue(gpu), hold (the job's), memory hold (Redis's)
 -- ARGV: window, job, gpu, task name, origin, reply_to, inflight_prefix
--- Returns the ids taken; none unless the job is running and its GPU selection allows this GPU.
+-- Returns the ids taken; none unless the job is running, its GPU selection allows this GPU and
+-- no hold is set.
 --
 -- The messages are LPUSHed exactly where kombu's Redis transport would put them, so a refill
 -- costs one round trip instead of a take plus a publish (and a task-sent event) per id. They
@@ -77,6 +78,12 @@ local function allowed(gpu)
 end
 
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then
+  return {}
+end
+-- Dispatch is held (beat sets and clears the holds, dispatch/hold.py): the job's sealed rows can
+-- go nowhere (storage and spool both fail), or Redis nears its maxmemory. New work would only
+-- add rows Redis cannot give away; what is in flight finishes, and dispatch resumes by itself.
+if redis.call('EXISTS', KEYS[6], KEYS[7]) > 0 then
   return {}
 end
 -- A GPU the job does not use (not selected, or no longer: an enqueue with another --gpus or

@@ -14,8 +14,19 @@ uploading a batch twice only overwrites it with the same bytes.
 Recovery reads the intent: before step 3 the batch is uploaded again; from step 3 on it is
 recorded, so the upload is skipped and steps 4 and 5 are redone (both idempotent).
 
-While storage fails (S3 unreachable) step 2 raises StorageError, the intent stays, rows keep
-arriving in the stream, and the next tick tries the same batch again.
+While storage fails (S3 unreachable), step 2 writes the batch to the spool instead (spool.py:
+beat's local disk, fsync'd; the manifest records it with `location: local-spool` and its path),
+so steps 3 to 5 take its rows out of Redis all the same: Redis holds the rows waiting to be
+sealed, never the outage's. Every later batch goes to the spool too until the spool is empty
+again, so batches reach the storage in the order they were sealed. Each flush first ships the
+spooled batches, oldest first: upload (the same key and bytes, its sha256 checked first),
+switch its manifest record to the storage's location (ship_spooled.lua, once), rewrite
+manifest.json, delete the file. A crash between two of these steps is finished by the next
+flush: a file whose record already says "in storage" only needs the manifest and the delete.
+manifest.json lists only the batches in storage, so its readers find every batch it lists.
+When the spool cannot be written either (a full disk), step 2 raises: the intent stays, the
+rows stay in Redis, and the tick holds dispatch (control.py) until a batch can leave again.
+Without a spool (batches in a local directory) a failed write raises the same way.
 
 tests/crashing_beat.py runs a real beat that exits, as abruptly as SIGKILL, right after a
 chosen step, from outside this module.
@@ -38,11 +49,13 @@ from dflash_tasks.core.keys import JobKeys
 from dflash_tasks.core.locks import HeldLock
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger import Ledger
-from dflash_tasks.output.storage import Storage
+from dflash_tasks.output.spool import Spool
+from dflash_tasks.output.storage import Storage, StorageError
 
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS_PER_DECADE = 20  # e2e latency histogram in counters: "lat:<b>", b = 20*log10(ms)
+SPOOLED = "local-spool"  # a manifest record's location while its batch waits in the spool
 
 
 @dataclass(frozen=True)
@@ -107,19 +120,26 @@ def latency_bucket_ms(bucket: int) -> float:
 
 class BatchWriter:
     def __init__(self, r: redis.Redis, book: Ledger, storage: Storage, policy: BatchPolicy, *,
-                 lock_ttl_s: float = 60.0):
+                 lock_ttl_s: float = 60.0, spool: Spool | None = None):
         self.r, self.book, self.storage, self.policy = r, book, storage, policy
         self.lock_ttl_s = lock_ttl_s
+        self.spool = spool
+        # The storage's failure during the last flush that the spool absorbed (its batches went
+        # to the spool instead), for the tick to show; None when the storage took everything.
+        self.storage_failure: StorageError | None = None
 
     def flush(self, job: str, *, final: bool = False) -> list[str]:
-        """Seal every full batch (every batch at all when final); returns the names written.
-        Holds the job's flush lock, so two beats never seal at the same time. Raises
-        StorageError when storage fails; what was not shipped waits for the next call."""
+        """Seal every full batch (every batch at all when final); returns the names written
+        (to the storage or the spool: their rows left Redis). Holds the job's flush lock, so two
+        beats never seal at the same time. Raises StorageError (OSError from a local directory)
+        when a batch can go nowhere; what was not sealed waits for the next call."""
         k = JobKeys(job)
         lock = HeldLock(self.r, k.flush_lock, self.lock_ttl_s)
         if not lock.acquire():
             return []
         with lock:
+            self.storage_failure = None
+            self._ship_spooled(job, lock)  # first: batches reach the storage in sealing order
             written = []
             intent = self.r.get(k.sealing)
             if intent:  # a previous tick died or failed mid-batch: finish exactly that batch
@@ -157,23 +177,27 @@ class BatchWriter:
         k = JobKeys(job)
         name = intent["name"]
         entries = self.r.xrange(k.output, min=intent["first"], max=intent["last"])
-        recorded = bool(self.r.hexists(k.manifest, name))
-        if entries and not recorded:
+        raw = self.r.hget(k.manifest, name)
+        record = json.loads(raw) if raw else None
+        if entries and record is None:
             data, record, stats = self._build(job, name, [fields[b"row"] for _, fields in entries])
             self.book.replicate_sealing(job, raw_intent)  # nothing ships that a failover may lose
             lock.still_held()
-            self.storage.put(record["key"], data)
+            record, stats = self._store(job, record, stats, data)
             lock.still_held()
             self.book.record_batch(job, name, record, stats=stats)
-            recorded = True
+            if self.spool is not None and record["location"] != SPOOLED:
+                self.spool.discard(job, name)  # spooled by a beat that died before recording it
             log.info("job %s: sealed %s (%d rows, %d bytes) at %s", job, name, record["rows"],
-                     record["bytes"], record["location"])
-        elif not entries and not recorded:
+                     record["bytes"], record.get("spool", record["location"]))
+        elif not entries and record is None:
             log.error("job %s: batch %s has no rows in the stream and no manifest entry; "
                       "dropping the intent", job, name)
-        if recorded:  # also after a crash between record and manifest: the mirror catches up
+        # Also after a crash between record and manifest: the mirror catches up. A spooled
+        # batch is not in it yet (nor is the storage answering): the spool's shipping writes it.
+        if record is not None and record["location"] != SPOOLED and self.storage_failure is None:
             lock.still_held()
-            self.write_manifest(job)
+            self._write_manifest_or_note(job)
         if entries:  # one XDEL: the batch's rows leave the stream all together
             lock.still_held()
             self.r.xdel(k.output, *[entry_id for entry_id, _ in entries])
@@ -205,8 +229,90 @@ class BatchWriter:
             stats["s3_bytes"] = len(data)
         return data, record, stats
 
+    def _store(self, job: str, record: dict, stats: dict[str, int],
+               data: bytes) -> tuple[dict, dict[str, int]]:
+        """Put the batch in the storage or, when the storage fails (or failed earlier in this
+        flush, or spooled batches still wait: order), in the spool. Returns the manifest record
+        and counters to enter. Raises StorageError when the spool cannot take it either (a
+        full disk): the rows stay in Redis."""
+        if self.spool is None or self.storage_failure is None:
+            try:
+                self.storage.put(record["key"], data)
+                return record, stats
+            except StorageError as exc:
+                if self.spool is None:
+                    raise
+                self.storage_failure = exc
+        try:
+            path = self.spool.write(job, record["name"], data)
+        except OSError as exc:  # a full disk (ENOSPC), an unwritable spool: the rows stay
+            raise StorageError(f"{self.storage_failure}; and the spool could not take it "
+                               f"either: {exc}") from exc
+        # Counted as in S3 when it gets there (_ship_spooled), not before.
+        stats = {k: v for k, v in stats.items() if k not in ("s3_uploaded", "s3_bytes")}
+        stats.update(spooled=1, spooled_bytes=record["bytes"])
+        return {**record, "location": SPOOLED, "spool": str(path)}, stats
+
+    def _ship_spooled(self, job: str, lock: HeldLock) -> None:
+        """Upload the job's spooled batches, oldest first, until the storage fails (then they
+        and every batch sealed after them wait in the spool: the next flush goes on)."""
+        if self.spool is None:
+            return
+        k = JobKeys(job)
+        names = self.spool.names(job)
+        if not names:
+            if int(self.r.hget(k.counters, "spooled") or 0) > 0:  # rows nowhere beat can see
+                self.storage_failure = StorageError(
+                    f"job {job}: the manifest has batches in the spool, but {self.spool.root} "
+                    f"holds none: is this beat on the machine (and disk) that spooled them?")
+            return
+        done: list[str] = []  # in the storage and recorded there: only the manifest and delete left
+        for name in names:
+            raw = self.r.hget(k.manifest, name)
+            if raw is None:
+                continue  # spooled by a beat that died before recording it: its intent finishes it
+            record = json.loads(raw)
+            if record["location"] == SPOOLED:
+                lock.still_held()
+                try:
+                    data = self.spool.read(job, name)
+                    verify_batch(data, record, record["spool"])
+                    self.storage.put(record["key"], data)
+                except (StorageError, OSError, ChecksumMismatch) as exc:
+                    self.storage_failure = exc if isinstance(exc, StorageError) else \
+                        StorageError(f"spooled batch {record['spool']}: {exc}")
+                    break
+                shipped = {key: v for key, v in record.items() if key != "spool"}
+                shipped["location"] = self.storage.location(record["key"])
+                counts = {"spooled": -1, "spooled_bytes": -record["bytes"]}
+                if getattr(self.storage, "is_remote", False):
+                    counts.update(s3_uploaded=1, s3_bytes=record["bytes"])
+                lock.still_held()
+                self.book.ship_spooled(job, name, raw.decode(), json.dumps(shipped), counts)
+                log.info("job %s: shipped %s from the spool to %s", job, name, shipped["location"])
+            done.append(name)
+        if done:
+            lock.still_held()
+            if self._write_manifest_or_note(job):
+                for name in done:
+                    self.spool.discard(job, name)
+
+    def _write_manifest_or_note(self, job: str) -> bool:
+        """manifest.json rewritten; with a spool, a storage failure is noted instead of raised
+        (a later batch's rewrite, or the last one before the job is done, catches up)."""
+        try:
+            self.write_manifest(job)
+            return True
+        except StorageError as exc:
+            if self.spool is None:
+                raise
+            self.storage_failure = exc
+            return False
+
     def manifest(self, job: str) -> dict:
-        records = sorted((json.loads(v) for v in self.r.hvals(JobKeys(job).manifest)),
+        """manifest.json: the batches in the storage (a spooled one is listed once it is there)."""
+        records = sorted((rec for v in self.r.hvals(JobKeys(job).manifest)
+                          if (rec := json.loads(v))["location"] != SPOOLED),
                          key=lambda rec: rec["name"])
         return {"job": job, "batches": records, "rows": sum(rec["rows"] for rec in records),
                 "bytes": sum(rec["bytes"] for rec in records)}

@@ -27,7 +27,15 @@ import redis
 
 from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import BEAT_SEEN, SERVERS, WORKERS, WORKERS_SEEN, JobKeys, parse_gpu
+from dflash_tasks.core.keys import (
+    BEAT_SEEN,
+    MEMORY_HOLD,
+    SERVERS,
+    WORKERS,
+    WORKERS_SEEN,
+    JobKeys,
+    parse_gpu,
+)
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger.histogram import length_percentile, nearest_rank
 from dflash_tasks.output.batches import latency_bucket_ms
@@ -80,6 +88,8 @@ class Reads:
     beat_seen: float | None          # Redis time of beat's last tick
     sealing_batch: str | None        # the batch being sealed
     storage_error: dict[str, str]    # empty while storage works
+    hold: dict[str, str]             # the job's dispatch hold (dispatch/hold.py); empty: none
+    memory_hold: dict | None         # Redis's memory hold, for every job; None: none
     quality: dict | None             # the quality monitor's last figures
     updated_at: float                # the wall clock when read
 
@@ -126,6 +136,8 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
     multi.named("workers").hgetall(WORKERS)
     multi.named("sealing").get(k.sealing)
     multi.named("storage_error").hgetall(k.storage_error)
+    multi.named("hold").hgetall(k.hold)
+    multi.named("memory_hold").get(MEMORY_HOLD)
     multi.named("heartbeats").hgetall(WORKERS_SEEN)
     multi.named("servers").hgetall(SERVERS)
     multi.named("beat_seen").get(BEAT_SEEN)
@@ -163,6 +175,8 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
         beat_seen=float(beat_seen) if beat_seen else None,
         sealing_batch=json.loads(sealing)["name"] if sealing else None,
         storage_error={key.decode(): v.decode() for key, v in got["storage_error"].items()},
+        hold={key.decode(): v.decode() for key, v in got["hold"].items()},
+        memory_hold=json.loads(got["memory_hold"]) if got["memory_hold"] else None,
         quality=json.loads(quality) if quality else None,
         updated_at=time.time(),
     )
@@ -331,6 +345,9 @@ def render(reads: Reads, s: Settings) -> dict:
         "sealing_batch": reads.sealing_batch,
         "storage_error": ({"error": err.get("error"), "since": float(err.get("since", 0)),
                            "failures": int(err.get("failures", 0))} if err else None),
+        "spooled_batches": count(reads, "spooled"),
+        "spooled_bytes": count(reads, "spooled_bytes"),
+        "dispatch_held": dispatch_held(reads),
         "params": {"max_tokens": job.params.max_tokens, "temperature": job.params.temperature,
                    "top_p": job.params.top_p, "top_k": job.params.top_k,
                    "enable_thinking": job.params.enable_thinking},
@@ -349,6 +366,19 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
     return render(read(r, name, s), s)
 
 
+def dispatch_held(reads: Reads) -> dict | None:
+    """Why no new work starts (dispatch/hold.py), or None: the job's own hold (its batches can
+    go nowhere), else Redis's memory hold."""
+    if reads.hold:
+        return {"reason": reads.hold.get("reason"), "error": reads.hold.get("error"),
+                "since": float(reads.hold.get("since", 0))}
+    if reads.memory_hold:
+        m = reads.memory_hold
+        return {"reason": "redis_memory", "error": f"Redis uses {m['used_memory']} of its maxmemory "
+                f"{m['maxmemory']} bytes (hold at {m['ratio']:.0%})", "since": m["since"]}
+    return None
+
+
 def _server_view(sample: dict | None, now: float) -> dict | None:
     if sample is None:
         return None
@@ -359,10 +389,11 @@ def _server_view(sample: dict | None, now: float) -> dict | None:
 
 
 def is_finished(snap: dict) -> bool:
-    """Every prompt has an outcome and every row is sealed into a batch."""
+    """Every prompt has an outcome and every row is in a batch in the storage (none waits in
+    Redis nor in the spool)."""
     return (snap["total"] > 0 and snap["completed"] + snap["failed"] >= snap["total"]
             and snap["pending"] == 0 and snap["unsealed_rows"] == 0
-            and snap.get("sealing_batch") is None)
+            and snap.get("sealing_batch") is None and not snap.get("spooled_batches"))
 
 
 def prune_rate(r: redis.Redis, name: str, gpus: list[str], keep_s: float) -> int:

@@ -7,15 +7,19 @@ from __future__ import annotations
 import logging
 import time
 
+import redis
+
 from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
 from dflash_tasks.core.connections import redis_client
 from dflash_tasks.core.keys import BEAT_SEEN, MAINTAIN_TASK, TICK_TASK, JobKeys
 from dflash_tasks.core.locks import HeldLock, LockLost
 from dflash_tasks.core.settings import get_settings
+from dflash_tasks.dispatch import hold
 from dflash_tasks.ledger import shared_ledger
 from dflash_tasks.output.batches import BatchPolicy, BatchWriter
 from dflash_tasks.output.progress import is_finished, prune_rate, snapshot, write_progress
+from dflash_tasks.output.spool import Spool
 from dflash_tasks.output.storage import LocalStorage, StorageError, storage_for
 from dflash_tasks.tasks.app import app
 from dflash_tasks.training.data.monitor import sample_quality
@@ -27,8 +31,12 @@ STORAGE_WARN_EVERY_S = 300  # while storage keeps failing, one warning per this 
 
 def batch_writer() -> BatchWriter:
     s = get_settings()
-    return BatchWriter(redis_client(), shared_ledger(), storage_for(s), BatchPolicy.from_settings(s),
-                       lock_ttl_s=s.lock_ttl_s)
+    storage = storage_for(s)
+    # The spool spares Redis an S3 outage; batches kept in the local directory need none (a disk
+    # that refuses them would refuse the spool too).
+    spool = Spool(s.spool_path()) if getattr(storage, "is_remote", False) else None
+    return BatchWriter(redis_client(), shared_ledger(), storage, BatchPolicy.from_settings(s),
+                       lock_ttl_s=s.lock_ttl_s, spool=spool)
 
 
 def tick_job(name: str) -> dict | None:
@@ -45,7 +53,7 @@ def tick_job(name: str) -> dict | None:
         storage = storage_for(s)
         _seal_and_ship(r, s, name, storage)
         snap = snapshot(r, name, s)
-        finished = snap["status"] == "running" and is_finished(snap)
+        finished = snap["status"] == "running" and is_finished(snap) and _final_manifest(r, name, snap)
         if finished:
             snap["status"] = "done"
         lock.still_held()
@@ -67,13 +75,35 @@ def _seal_and_ship(r, s, name: str, storage) -> None:
     sample_quality(r, name)
     all_answered = snap["completed"] + snap["failed"] >= snap["total"] and snap["pending"] == 0
     # The error state changes only on evidence: a failed write sets it, a write that went
-    # through clears it (a tick with nothing to seal proves nothing).
+    # through clears it (a tick with nothing to seal proves nothing). A batch the spool took
+    # left Redis, but the storage failed all the same.
+    writer = batch_writer()
     try:
-        if batch_writer().flush(name, final=all_answered):
-            _storage_state(r, name, None, snap["unsealed_rows"])
+        written = writer.flush(name, final=all_answered)
     except (StorageError, OSError) as exc:
+        # The batch could go nowhere (S3 down and the spool's disk full, or the output
+        # directory unwritable): its rows stay in Redis, and new work would only add to them.
         _storage_state(r, name, exc, snap["unsealed_rows"])
+        hold.hold_job(r, name, "storage", str(exc))
+    else:
+        if written:
+            hold.release_job(r, name)  # a batch left Redis: there is room again
+        if writer.storage_failure is not None:
+            _storage_state(r, name, writer.storage_failure, snap["unsealed_rows"])
+        elif written:
+            _storage_state(r, name, None, snap["unsealed_rows"])
     prune_rate(r, name, list(snap["gpus"]), keep_s=2 * s.rate_window_s + 60)
+
+
+def _final_manifest(r, name: str, snap: dict) -> bool:
+    """manifest.json rewritten once more before the job is done: a rewrite that failed while
+    the spool took over (batches.py goes on without it) is caught up here at the latest."""
+    try:
+        batch_writer().write_manifest(name)
+        return True
+    except StorageError as exc:
+        _storage_state(r, name, exc, snap["unsealed_rows"])
+        return False
 
 
 def _write_progress(r, s, name: str, storage, snap: dict) -> bool:
@@ -83,7 +113,7 @@ def _write_progress(r, s, name: str, storage, snap: dict) -> bool:
     write_progress(LocalStorage(s.output_dir), name, snap)
     if not getattr(storage, "is_remote", False):
         return True
-    if snap["storage_error"] and snap["unsealed_rows"]:
+    if snap["storage_error"] and (snap["unsealed_rows"] or snap["spooled_batches"]):
         return False
     try:
         write_progress(storage, name, snap)
@@ -117,8 +147,9 @@ def _storage_state(r, name: str, error: Exception | None, backlog: int) -> None:
     pipe.execute()
     if warn:
         since = float(prev.get("since", now))
-        log.warning("job %s: storage failing%s: %s; %d rows wait in Redis and are retried every "
-                    "tick", name, f" for {now - since:.0f}s" if prev else "", message, backlog)
+        log.warning("job %s: storage failing%s: %s; %d rows wait in Redis, sealed batches in "
+                    "the spool; retried every tick", name, f" for {now - since:.0f}s" if prev else "",
+                    message, backlog)
 
 
 def _settled(r, job: jobs.Job) -> bool:
@@ -164,6 +195,10 @@ def tick() -> None:
 def maintain() -> None:
     r, s = redis_client(), get_settings()
     book = shared_ledger()
+    try:  # no job dispatches while Redis nears its maxmemory (dispatch/hold.py)
+        hold.check_memory(r, s.redis_memory_hold_ratio)
+    except redis.RedisError as exc:  # a Redis refusing writes already: the windows wait anyway
+        log.warning("Redis memory check failed: %s", exc)
     unacked = dispatch.UnackedLook(r)  # read once for every job and GPU of this run
 
     def keep_windows_full(job: jobs.Job) -> None:

@@ -17,6 +17,7 @@ import redis
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import JobKeys
 from dflash_tasks.core.settings import Settings
+from dflash_tasks.output.batches import SPOOLED
 from dflash_tasks.training.queue import runs
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,9 @@ def beat(r: redis.Redis, s: Settings, send) -> None:
 
 
 def shipped_rows(r: redis.Redis, job: str) -> int:
-    return sum(json.loads(v)["rows"] for v in r.hvals(JobKeys(job).manifest))
+    """Rows in batches a training run can read: in the storage, not waiting in beat's spool."""
+    return sum(rec["rows"] for v in r.hvals(JobKeys(job).manifest)
+               if (rec := json.loads(v))["location"] != SPOOLED)
 
 
 def is_ready(r: redis.Redis, run: runs.Run) -> bool:

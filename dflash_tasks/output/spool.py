@@ -1,0 +1,81 @@
+"""Sealed batches that the storage could not take (S3 down), kept on beat's local disk until it can.
+
+Without it, the rows of an S3 outage would wait in Redis, about 9 GB an hour at 64 GPUs, until
+Redis died of memory and took the broker and the ledger with it. With it, a sealed batch leaves
+Redis either way: to S3, or here. A spooled batch is the very file S3 would have received (zstd
+with its frame checksum), under <root>/<job>/<name>.jsonl.zst; its SHA-256 is in the job's
+manifest, checked again before it goes up. batches.py decides when to spool and when to ship.
+
+A file is written to a temporary name, fsync'd, renamed into place, and its directory fsync'd:
+once write() returns, the batch survives a crash of beat or of the machine, so its rows may
+leave Redis. A disk that is full (ENOSPC) or unwritable raises OSError, the file is not left
+half-written, and the rows stay in Redis.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from dflash_tasks.core.keys import check_job_name
+
+SUFFIX = ".jsonl.zst"
+_NAME = re.compile(r"batch-\d{13}-\d{4,}")  # batches.batch_name's names, nothing else
+
+
+class Spool:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def path(self, job: str, name: str) -> Path:
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not a batch name")
+        return self.root / check_job_name(job) / f"{name}{SUFFIX}"
+
+    def write(self, job: str, name: str, data: bytes) -> Path:
+        """The batch, durably on disk when this returns (file and directory fsync'd)."""
+        path = self.path(job, name)
+        if not path.parent.is_dir():  # a new job directory: its own entry made durable too
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _fsync_dir(path.parent.parent)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)  # the rename itself survives a power cut
+        return path
+
+    def read(self, job: str, name: str) -> bytes:
+        return self.path(job, name).read_bytes()
+
+    def names(self, job: str) -> list[str]:
+        """The job's spooled batches, oldest first (a name is its first row's stream id)."""
+        try:
+            entries = os.listdir(self.root / check_job_name(job))
+        except (FileNotFoundError, NotADirectoryError):  # nothing was ever spooled there
+            return []
+        return sorted(e[:-len(SUFFIX)] for e in entries
+                      if e.endswith(SUFFIX) and _NAME.fullmatch(e[:-len(SUFFIX)]))
+
+    def discard(self, job: str, name: str) -> None:
+        """Remove a batch that is in the storage now (a missing one is fine: already gone)."""
+        self.path(job, name).unlink(missing_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
