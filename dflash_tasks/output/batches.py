@@ -4,10 +4,12 @@ Rows wait in the job's Redis stream. Whether a batch is ready is read from count
 never from the rows: XLEN, and the bytes waiting and the oldest row's time, which complete.lua
 keeps beside the rows (`unsealed_bytes`, `unsealed_since_ms`) and drop_sealed.lua takes back, so
 a tick costs the same at 100,000 waiting rows as at 1,000. Rows are read once, to seal them, a
-page at a time. A batch is sealed in five steps. The first one records
-which stream entries the batch covers, so a crash after any step is finished by the next tick
-with the same entries and the same name: no row is lost, none lands in two batches, and
-uploading a batch twice only overwrites it with the same bytes.
+page at a time.
+
+A batch is sealed in five steps. The first one records which stream entries the batch covers,
+so a crash after any step is finished by the next tick with the same entries and the same name:
+no row is lost, none lands in two batches, and uploading a batch twice only overwrites it with
+the same bytes.
 
 1. intent: write {name, first, last} to `sealing`;
 2. upload: put <job>/batches/<name>.jsonl.zst to storage (S3 or the output directory);
@@ -47,7 +49,8 @@ from dflash_tasks.output.storage import Storage
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS_PER_DECADE = 20  # e2e latency histogram in counters: "lat:<b>", b = 20*log10(ms)
-PAGE_ROWS = 100  # rows per XRANGE while taking a batch: a batch cut by size reads at most this many ahead
+# Rows per XRANGE while taking a batch: a batch cut by size reads at most this many ahead.
+PAGE_ROWS = 100
 
 # Told of every batch once it is recorded: the job and its (stream id, row) pairs, oldest first
 # (the quality monitor samples them: the rows are parsed once, here).
@@ -191,13 +194,14 @@ class BatchWriter:
             entries = self.r.xrange(k.output, min=intent["first"], max=intent["last"])
         recorded = bool(self.r.hexists(k.manifest, name))
         if entries and not recorded:
-            data, record, stats, rows = self._build(job, name, [fields[b"row"] for _, fields in entries])
+            data, record, stats, rows = self._build(job, name, [f[b"row"] for _, f in entries])
             self.book.replicate_sealing(job, raw_intent)  # nothing ships that a failover may lose
             lock.still_held()
             self.storage.put(record["key"], data)
             lock.still_held()
             if self.book.record_batch(job, name, record, stats=stats) and self.on_sealed:
-                self.on_sealed(job, [(entry_id.decode(), row) for (entry_id, _), row in zip(entries, rows)])
+                self.on_sealed(job, [(entry_id.decode(), row)
+                                     for (entry_id, _), row in zip(entries, rows)])
             recorded = True
             log.info("job %s: sealed %s (%d rows, %d bytes) at %s", job, name, record["rows"],
                      record["bytes"], record["location"])

@@ -117,7 +117,8 @@ def sample_quality(r, job: str, entries: list[tuple[str, dict]], *, window: int 
         fresh = [(i, row) for i, row in entries if _stream_id(i) > floor][-window:]
         pipe = r.pipeline()
         if fresh:
-            pipe.lpush(window_key, *(json.dumps(row_fact(row)) for _, row in fresh))  # newest on top
+            # Pushed oldest first: the newest on top.
+            pipe.lpush(window_key, *(json.dumps(row_fact(row)) for _, row in fresh))
             pipe.ltrim(window_key, 0, window - 1)
             pipe.set(cursor_key, fresh[-1][0])
             pipe.incrby(sampled_key, len(fresh))
