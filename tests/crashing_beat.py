@@ -56,9 +56,8 @@ def arm(step: str) -> None:
         after(Ledger, "record_batch", step)
     elif step == "after_manifest":
         after(BatchWriter, "write_manifest", step)
-    elif step == "after_delete":  # the one XDEL of the batch's rows
-        after(redis.Redis, "xdel", step, lambda result, _self, name, *a, **k:
-              str(name).endswith(":output"))
+    elif step == "after_delete":  # the one call that removes the batch's rows (drop_sealed.lua)
+        after(Ledger, "drop_sealed", step)
     else:
         raise SystemExit(f"unknown step {step!r}: one of {', '.join(STEPS)}")
 

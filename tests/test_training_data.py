@@ -371,7 +371,8 @@ def test_a_bad_run_shows_in_progress_json_within_its_first_ticks(cluster, tmp_pa
 
 def test_the_quality_window_restarts_when_regenerate_supersedes_rows(redis_url):
     """progress.json's quality.truncated_pct counted rows a regenerate had replaced (14% against
-    the job's 3%): after a regenerate the window holds only rows made since."""
+    the job's 3%): after a regenerate the window holds only rows made since, also when rows made
+    before it were still waiting for their batch."""
     import redis
 
     from dflash_tasks.core.keys import JobKeys
@@ -379,16 +380,19 @@ def test_the_quality_window_restarts_when_regenerate_supersedes_rows(redis_url):
 
     r = redis.Redis.from_url(redis_url)
 
-    def add(n: int, reason: str) -> None:
+    def add(n: int, reason: str) -> list[tuple[str, dict]]:
+        """n rows in the stream, as (stream id, row): what a sealed batch hands the monitor."""
+        out = []
         for i in range(n):
             row = {"id": f"{reason}{i}", "status": "completed", "conversations": [],
                    "metadata": {"completion_tokens": 100, "prompt_tokens": 10, "finish_reason": reason}}
-            r.xadd(JobKeys("qw").output, {"id": row["id"], "row": json.dumps(row)})
+            out.append((r.xadd(JobKeys("qw").output, {"id": row["id"], "row": json.dumps(row)}).decode(), row))
+        return out
 
-    add(10, "length")
-    add(10, "stop")
-    assert sample_quality(r, "qw")["truncated_pct"] == 50.0
-    restart_window(r, "qw")  # the 10 truncated rows are being generated again
-    add(10, "stop")
-    after = sample_quality(r, "qw")
+    assert sample_quality(r, "qw", add(10, "length") + add(10, "stop"))["truncated_pct"] == 50.0
+    unsealed = add(5, "length")  # made before the regenerate, not yet in a batch
+    restart_window(r, "qw")  # the truncated rows are being generated again
+    after = sample_quality(r, "qw", unsealed + add(10, "stop"))  # the batch that seals them
     assert after["window_rows"] == 10 and after["truncated_pct"] == 0.0
+    assert after["sampled_rows"] == 30
+    assert sample_quality(r, "qw", unsealed)["sampled_rows"] == 30  # a batch is sampled once

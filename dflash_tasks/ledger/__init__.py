@@ -51,7 +51,8 @@ class Ledger:
             name: client.register_script("".join(
                 (_HERE / f"{part}.lua").read_text() for part in (prelude.get(name), name) if part))
             for name in ("unknown_ids", "add_prompts", "take", "complete", "fail", "record_batch", "retry",
-                         "requeue_failed", "reopen", "recall", "clear_sealing", "ship_spooled",
+                         "requeue_failed", "reopen", "recall", "drop_sealed", "clear_sealing",
+                         "ship_spooled",
                          "train_run_set")}
 
     # -- enqueue ---------------------------------------------------------------------------------
@@ -217,6 +218,13 @@ class Ledger:
             log.warning("%s reached %d of %d replica(s) within %d ms (DFLASH_REDIS_WAIT_REPLICAS): "
                         "a failover now could lose it; is a replica down or behind?", what,
                         replicas, self.wait_replicas, self.wait_timeout_ms)
+
+    def drop_sealed(self, job: str, entry_ids: Sequence[bytes | str], nbytes: int) -> int:
+        """Remove a shipped batch's entries (their rows: `nbytes`, each with its newline) from
+        the output stream, with their share of the unsealed counters (drop_sealed.lua)."""
+        k = JobKeys(job)
+        return int(self._scripts["drop_sealed"](keys=[k.output, k.counters],
+                                                args=[nbytes, *entry_ids]))
 
     def clear_sealing(self, job: str, intent: str) -> bool:
         """Clear the job's sealing intent if it is still `intent` (batches.py's last step)."""

@@ -37,5 +37,12 @@ redis.call('HINCRBY', KEYS[6], ARGV[6] .. ':c:' .. bucket, 1)
 redis.call('HINCRBY', KEYS[6], ARGV[6] .. ':t:' .. bucket, output_tokens)
 redis.call('HSETNX', KEYS[5], 'first_completed_at', now)
 redis.call('HSET', KEYS[5], 'last_completed_at', now)
-redis.call('XADD', KEYS[7], '*', 'id', id, 'row', ARGV[2])
+local entry = redis.call('XADD', KEYS[7], '*', 'id', id, 'row', ARGV[2])
+-- What beat's tick reads to decide whether to seal, instead of the rows (batches.py): the bytes
+-- waiting (each row and its newline, as in the batch file), and the time of the oldest row (its
+-- stream id's milliseconds), set here when the stream was empty, kept by drop_sealed.lua.
+redis.call('HINCRBY', KEYS[5], 'unsealed_bytes', #ARGV[2] + 1)
+if redis.call('XLEN', KEYS[7]) == 1 then
+  redis.call('HSET', KEYS[5], 'unsealed_since_ms', string.match(entry, '^%d+'))
+end
 return 1

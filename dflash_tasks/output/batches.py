@@ -1,15 +1,21 @@
 """Sealing finished rows into compressed JSONL batches and shipping them, crash-safe.
 
-Rows wait in the job's Redis stream. A batch is sealed in five steps. The first one records
-which stream entries the batch covers, so a crash after any step is finished by the next tick
-with the same entries and the same name: no row is lost, none lands in two batches, and
-uploading a batch twice only overwrites it with the same bytes.
+Rows wait in the job's Redis stream. Whether a batch is ready is read from counters and ids,
+never from the rows: XLEN, and the bytes waiting and the oldest row's time, which complete.lua
+keeps beside the rows (`unsealed_bytes`, `unsealed_since_ms`) and drop_sealed.lua takes back, so
+a tick costs the same at 100,000 waiting rows as at 1,000. Rows are read once, to seal them, a
+page at a time.
+
+A batch is sealed in five steps. The first one records which stream entries the batch covers,
+so a crash after any step is finished by the next tick with the same entries and the same name:
+no row is lost, none lands in two batches, and uploading a batch twice only overwrites it with
+the same bytes.
 
 1. intent: write {name, first, last} to `sealing`;
 2. upload: put <job>/batches/<name>.jsonl.zst to storage (S3 or the output directory);
 3. record: enter it in the Redis manifest and count it (record_batch.lua, once per name);
 4. manifest: rewrite <job>/manifest.json in storage from the Redis manifest;
-5. delete: remove its entries from the stream (one XDEL), then clear the intent.
+5. delete: remove its entries from the stream (drop_sealed.lua), then clear the intent.
 
 Recovery reads the intent: before step 3 the batch is uploaded again; from step 3 on it is
 recorded, so the upload is skipped and steps 4 and 5 are redone (both idempotent).
@@ -40,7 +46,7 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import redis
 import zstandard
@@ -56,6 +62,12 @@ log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS_PER_DECADE = 20  # e2e latency histogram in counters: "lat:<b>", b = 20*log10(ms)
 SPOOLED = "local-spool"  # a manifest record's location while its batch waits in the spool
+# Rows per XRANGE while taking a batch: a batch cut by size reads at most this many ahead.
+PAGE_ROWS = 100
+
+# Told of every batch once it is recorded: the job and its (stream id, row) pairs, oldest first
+# (the quality monitor samples them: the rows are parsed once, here).
+OnSealed = Callable[[str, list[tuple[str, dict]]], object]
 
 
 @dataclass(frozen=True)
@@ -120,10 +132,10 @@ def latency_bucket_ms(bucket: int) -> float:
 
 class BatchWriter:
     def __init__(self, r: redis.Redis, book: Ledger, storage: Storage, policy: BatchPolicy, *,
-                 lock_ttl_s: float = 60.0, spool: Spool | None = None):
+                 lock_ttl_s: float = 60.0, spool: Spool | None = None,
+                 on_sealed: OnSealed | None = None):
         self.r, self.book, self.storage, self.policy = r, book, storage, policy
-        self.lock_ttl_s = lock_ttl_s
-        self.spool = spool
+        self.lock_ttl_s, self.spool, self.on_sealed = lock_ttl_s, spool, on_sealed
         # The storage's failure during the last flush that the spool absorbed (its batches went
         # to the spool instead), for the tick to show; None when the storage took everything.
         self.storage_failure: StorageError | None = None
@@ -144,48 +156,73 @@ class BatchWriter:
             intent = self.r.get(k.sealing)
             if intent:  # a previous tick died or failed mid-batch: finish exactly that batch
                 written.append(self._seal(job, json.loads(intent), intent.decode(), lock))
-            while (intent := self._next_intent(job, final)) is not None:
+            waiting = self._rows(job)
+            while self._ready(job, final) and (entries := self._take(waiting)):
                 lock.still_held()
+                first, last = entries[0][0].decode(), entries[-1][0].decode()
+                intent = {"name": batch_name(first), "first": first, "last": last}
                 raw = json.dumps(intent)
                 if not self.r.set(k.sealing, raw, nx=True):
                     log.warning("job %s: another writer's intent appeared; stopping", job)
                     break
-                written.append(self._seal(job, intent, raw, lock))
+                written.append(self._seal(job, intent, raw, lock, entries))
             return written
 
-    def _next_intent(self, job: str, final: bool) -> dict | None:
-        entries = self.r.xrange(JobKeys(job).output, count=self.policy.rows)
-        if not entries:
-            return None
-        size, last = 0, None
-        for entry_id, fields in entries:
-            size += len(fields[b"row"]) + 1
-            last = entry_id
-            if size >= self.policy.bytes:
+    def _ready(self, job: str, final: bool) -> bool:
+        """Whether a batch is to be sealed now: rows wait and they fill a batch (by count or by
+        bytes), or the oldest is max_age_s old, or this is the final flush. Counters and ids
+        only, in one transaction."""
+        k = JobKeys(job)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xlen(k.output)
+        pipe.hmget(k.counters, "unsealed_bytes", "unsealed_since_ms")
+        pipe.time()
+        rows, (size, since_ms), (seconds, micros) = pipe.execute()
+        if not rows:
+            return False
+        if final or rows >= self.policy.rows or int(size or 0) >= self.policy.bytes:
+            return True
+        # No time kept: rows stored before complete.lua kept it; seal them (then it is kept).
+        return since_ms is None or \
+            seconds + micros / 1e6 - int(since_ms) / 1000 >= self.policy.max_age_s
+
+    def _rows(self, job: str) -> Iterator[tuple[bytes, dict]]:
+        """The stream's entries, oldest first, read a page at a time as batches take them: what
+        one batch leaves of its last page is the next batch's beginning, not read again."""
+        key, after, page = JobKeys(job).output, "-", min(PAGE_ROWS, self.policy.rows)
+        while entries := self.r.xrange(key, min=after, count=page):
+            yield from entries
+            after = "(" + entries[-1][0].decode()
+
+    def _take(self, waiting: Iterator[tuple[bytes, dict]]) -> list[tuple[bytes, dict]]:
+        """The next batch: entries up to `rows`, or until they reach `bytes` (that one included)."""
+        entries, size = [], 0
+        for entry in waiting:
+            entries.append(entry)
+            size += len(entry[1][b"row"]) + 1
+            if len(entries) >= self.policy.rows or size >= self.policy.bytes:
                 break
-        full = len(entries) >= self.policy.rows or size >= self.policy.bytes
-        first = entries[0][0].decode()
-        if not (full or final or self._age_s(first) >= self.policy.max_age_s):
-            return None
-        return {"name": batch_name(first), "first": first, "last": last.decode()}
+        return entries
 
-    def _age_s(self, entry_id: str) -> float:
-        seconds, micros = self.r.time()
-        return seconds + micros / 1e6 - int(entry_id.split("-")[0]) / 1000
-
-    def _seal(self, job: str, intent: dict, raw_intent: str, lock: HeldLock) -> str:
+    def _seal(self, job: str, intent: dict, raw_intent: str, lock: HeldLock,
+              entries: list[tuple[bytes, dict]] | None = None) -> str:
+        """Ship the intent's batch: its `entries` as just read, or (finishing an earlier tick's
+        batch) the rows the intent names."""
         k = JobKeys(job)
         name = intent["name"]
-        entries = self.r.xrange(k.output, min=intent["first"], max=intent["last"])
+        if entries is None:
+            entries = self.r.xrange(k.output, min=intent["first"], max=intent["last"])
         raw = self.r.hget(k.manifest, name)
         record = json.loads(raw) if raw else None
         if entries and record is None:
-            data, record, stats = self._build(job, name, [fields[b"row"] for _, fields in entries])
+            data, record, stats, rows = self._build(job, name, [f[b"row"] for _, f in entries])
             self.book.replicate_sealing(job, raw_intent)  # nothing ships that a failover may lose
             lock.still_held()
             record, stats = self._store(job, record, stats, data)
             lock.still_held()
-            self.book.record_batch(job, name, record, stats=stats)
+            if self.book.record_batch(job, name, record, stats=stats) and self.on_sealed:
+                self.on_sealed(job, [(entry_id.decode(), row)
+                                     for (entry_id, _), row in zip(entries, rows)])
             if self.spool is not None and record["location"] != SPOOLED:
                 self.spool.discard(job, name)  # spooled by a beat that died before recording it
             log.info("job %s: sealed %s (%d rows, %d bytes) at %s", job, name, record["rows"],
@@ -198,17 +235,20 @@ class BatchWriter:
         if record is not None and record["location"] != SPOOLED and self.storage_failure is None:
             lock.still_held()
             self._write_manifest_or_note(job)
-        if entries:  # one XDEL: the batch's rows leave the stream all together
+        if entries:  # one call: the batch's rows leave the stream all together
             lock.still_held()
-            self.r.xdel(k.output, *[entry_id for entry_id, _ in entries])
+            self.book.drop_sealed(job, [entry_id for entry_id, _ in entries],
+                                  sum(len(fields[b"row"]) + 1 for _, fields in entries))
         self.book.clear_sealing(job, raw_intent)
         return name
 
-    def _build(self, job: str, name: str, rows: list[bytes]) -> tuple[bytes, dict, dict]:
-        """The batch file, its manifest record, and the counters it adds (once, on record)."""
+    def _build(self, job: str, name: str, rows: list[bytes]) -> tuple[bytes, dict, dict, list[dict]]:
+        """The batch file, its manifest record, the counters it adds (once, on record), and its
+        rows parsed."""
         data = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(b"\n".join(rows) + b"\n")
         key = batch_key(job, name)
-        metas = [json.loads(row)["metadata"] for row in rows]
+        parsed = [json.loads(row) for row in rows]
+        metas = [row["metadata"] for row in parsed]
         record = {
             "name": name, "key": key, "location": self.storage.location(key),
             "rows": len(rows), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
@@ -227,7 +267,7 @@ class BatchWriter:
         if getattr(self.storage, "is_remote", False):
             stats["s3_uploaded"] = 1
             stats["s3_bytes"] = len(data)
-        return data, record, stats
+        return data, record, stats, parsed
 
     def _store(self, job: str, record: dict, stats: dict[str, int],
                data: bytes) -> tuple[dict, dict[str, int]]:

@@ -58,6 +58,8 @@ class SGLangClient:
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 1800.0
     keepalive_expiry_s: float = 4.0
+    # A worker sizes this from its concurrency (WorkerRuntime.pool_size): every thread may be
+    # in a request at once, and a thread waiting for a connection leaves a decode slot idle.
     max_connections: int = 256
     _http: httpx.Client = field(init=False, repr=False)
     _model: str | None = field(default=None, init=False, repr=False)

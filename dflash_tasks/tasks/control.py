@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 import redis
 
@@ -30,13 +31,14 @@ STORAGE_WARN_EVERY_S = 300  # while storage keeps failing, one warning per this 
 
 
 def batch_writer() -> BatchWriter:
-    s = get_settings()
+    """Beat's batch writer; every batch it seals is sampled for the quality monitor."""
+    r, s = redis_client(), get_settings()
     storage = storage_for(s)
     # The spool spares Redis an S3 outage; batches kept in the local directory need none (a disk
     # that refuses them would refuse the spool too).
     spool = Spool(s.spool_path()) if getattr(storage, "is_remote", False) else None
-    return BatchWriter(redis_client(), shared_ledger(), storage, BatchPolicy.from_settings(s),
-                       lock_ttl_s=s.lock_ttl_s, spool=spool)
+    return BatchWriter(r, shared_ledger(), storage, BatchPolicy.from_settings(s),
+                       lock_ttl_s=s.lock_ttl_s, spool=spool, on_sealed=partial(sample_quality, r))
 
 
 def tick_job(name: str) -> dict | None:
@@ -69,10 +71,9 @@ def tick_job(name: str) -> dict | None:
 
 
 def _seal_and_ship(r, s, name: str, storage) -> None:
-    """Sample the fresh rows' training-data quality (before they are sealed), seal and upload
-    the full batches (every row, once every prompt has its answer), prune the rate window."""
+    """Seal and upload the full batches (every row, once every prompt has its answer; each one
+    sampled for training-data quality as it is sealed), prune the rate window."""
     snap = snapshot(r, name, s)
-    sample_quality(r, name)
     all_answered = snap["completed"] + snap["failed"] >= snap["total"] and snap["pending"] == 0
     # The error state changes only on evidence: a failed write sets it, a write that went
     # through clears it (a tick with nothing to seal proves nothing). A batch the spool took

@@ -34,6 +34,12 @@ def gpus_consumed(app) -> list[str]:
     return sorted((name for name in names if parse_gpu(name)), key=gpu_order)
 
 
+def _size_http_pools(sender, instance, **_):
+    """The SGLang clients get a connection per thread of this worker (runtime.pool_size); the
+    runtime makes them at the first task, after this."""
+    runtime().concurrency = instance.concurrency
+
+
 def _wait_for_servers(sender, instance, conf, **_):
     for gpu in gpus_consumed(instance.app):
         url = runtime().settings.sglang_url_for(gpu)
@@ -148,6 +154,7 @@ def connect(app) -> None:
     receivers are module functions, held strongly; dispatch_uid makes a second call harmless."""
     for signal, receiver in ((signals.worker_init, _quiet_httpx),
                              (signals.worker_init, _refuse_redis_without_persistence),
+                             (signals.celeryd_after_setup, _size_http_pools),
                              (signals.celeryd_after_setup, _wait_for_servers),
                              (signals.celeryd_after_setup, _check_failure_settings),
                              (signals.worker_ready, _fill_queues),

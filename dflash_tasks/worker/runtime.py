@@ -17,6 +17,10 @@ from dflash_tasks.worker import heartbeat, server_metrics
 from dflash_tasks.worker.breaker import CircuitBreaker, publisher
 from dflash_tasks.worker.shutdown import Shutdown
 
+# Connections to a server beyond the worker's threads: its breaker's /health probes share the
+# client, and must not wait behind requests that hold every connection for minutes.
+POOL_MARGIN = 4
+
 
 class WorkerRuntime:
     def __init__(self, settings: Settings, r: redis.Redis):
@@ -28,6 +32,15 @@ class WorkerRuntime:
         self._clients: dict[str, SGLangClient] = {}
         self._breakers: dict[str, CircuitBreaker] = {}
         self._reporting: dict[str, threading.Event] = {}  # gpu -> stops its reporting threads
+        self.concurrency: int | None = None  # the Celery pool's threads, once the worker knows
+
+    def pool_size(self) -> int:
+        """Connections per server: one for each of the worker's threads (all of them may be
+        calling one server: a worker with 320 threads for 256 slots needs 320, not a fixed cap),
+        plus the probes' margin; SGLangClient's default before the concurrency is known."""
+        if self.concurrency is None:
+            return SGLangClient.max_connections
+        return self.concurrency + POOL_MARGIN
 
     def client(self, gpu: str) -> SGLangClient:
         """The process's one client for gpu's server."""
@@ -37,7 +50,8 @@ class WorkerRuntime:
             if url not in self._clients:
                 self._clients[url] = SGLangClient(
                     url, connect_timeout_s=s.connect_timeout_s,
-                    request_timeout_s=s.request_timeout_s, keepalive_expiry_s=s.keepalive_expiry_s)
+                    request_timeout_s=s.request_timeout_s, keepalive_expiry_s=s.keepalive_expiry_s,
+                    max_connections=self.pool_size())
             return self._clients[url]
 
     def breaker(self, gpu: str) -> CircuitBreaker:

@@ -1,19 +1,20 @@
-"""The quality gate while the job runs: each beat tick samples the freshest rows of the job's
-output stream (before they are sealed), keeps a rolling window of their gate facts in Redis,
-and stores the window's figures, alerts included, which progress.py's snapshot reads with one GET
-(`quality` in progress.json and `manage.py status --json`). A run that
-produces near-empty responses shows it within its first ticks, not after 27 hours.
+"""The quality gate while the job runs: every batch beat seals is sampled as it is sealed (its
+rows are parsed there anyway: no second read of the stream), a rolling window of their gate
+facts is kept in Redis, and the window's figures, alerts included, are stored for progress.py's
+snapshot to read with one GET (`quality` in progress.json and `manage.py status --json`). A run
+that produces near-empty responses shows it at its first batch (at most DFLASH_BATCH_MAX_AGE_S
+after its first row), not after 27 hours.
 
-Cost per tick: one GET, one XREVRANGE of at most PER_TICK rows newer than the last one sampled
-(rows arriving faster than that are sampled, not all read), one LPUSH+LTRIM, one LRANGE of the
-window (WINDOW small JSON lists). The loss-token count of a row is its response length (the
-server's response ids, else `completion_tokens`): no tokenizer is needed.
+Cost per batch sealed: one GET, one LPUSH+LTRIM of the batch's newest WINDOW facts, one LRANGE
+of the window (WINDOW small JSON lists); nothing in a tick that seals nothing. The loss-token
+count of a row is its response length (the server's response ids, else `completion_tokens`): no
+tokenizer is needed.
 
 Redis keys (per job, beside the ledger's): `dflash:{job}:quality:cursor` (string: the newest
-stream id sampled), `dflash:{job}:quality:window` (list of `[loss, length, status, thinking,
-flags]`, newest first), `dflash:{job}:quality:sampled` (string: rows sampled so far),
-`dflash:{job}:quality:alerts` (string: the last alerts, to log a change once),
-`dflash:{job}:quality:figures` (string: the figures, JSON).
+stream id sampled; rows at or below it are not sampled again), `dflash:{job}:quality:window`
+(list of `[loss, length, status, thinking, flags]`, newest first), `dflash:{job}:quality:sampled`
+(string: rows sampled so far), `dflash:{job}:quality:alerts` (string: the last alerts, to log a
+change once), `dflash:{job}:quality:figures` (string: the figures, JSON).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from dflash_tasks.training.data.tokens import row_thinking
 
 log = logging.getLogger(__name__)
 
-PER_TICK = 200
 WINDOW = 1000
 RULES = Rules()
 THRESHOLDS = Thresholds()
@@ -43,9 +43,20 @@ def _figures_key(job: str) -> str:
 
 def restart_window(r, job: str) -> None:
     """Empty the window (a regenerate superseded some of its rows: their facts would still count,
-    e.g. truncated rows already generated again); the next ticks fill it with rows made since."""
-    _, window_key, _, _ = _keys(job)
-    r.delete(window_key, _figures_key(job))
+    e.g. truncated rows already generated again); only rows made since are sampled, in the
+    batches sealed from now on: the cursor moves past the rows waiting now (one row read, once)."""
+    cursor_key, window_key, _, _ = _keys(job)
+    newest = r.xrevrange(JobKeys(job).output, count=1)
+    pipe = r.pipeline()
+    pipe.delete(window_key, _figures_key(job))
+    if newest:
+        pipe.set(cursor_key, newest[0][0])
+    pipe.execute()
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
 
 
 def row_fact(row: dict, rules: Rules = RULES) -> list:
@@ -95,31 +106,31 @@ def figures(report: Report, sampled: int, thresholds: Thresholds = THRESHOLDS) -
     }
 
 
-def sample_quality(r, job: str, *, per_tick: int = PER_TICK, window: int = WINDOW) -> dict:
-    """Sample the rows that arrived since the last tick, store the window's figures for the
-    snapshot and return them (an `error` entry instead when anything fails: the tick itself
-    must go on)."""
+def sample_quality(r, job: str, entries: list[tuple[str, dict]], *, window: int = WINDOW) -> dict:
+    """Sample a sealed batch, given as its (stream id, row) pairs oldest first (BatchWriter's
+    on_sealed): its rows past the cursor join the window, the window's figures are stored for
+    the snapshot and returned (an `error` entry instead when anything fails: sealing goes on)."""
     try:
         cursor_key, window_key, sampled_key, alerts_key = _keys(job)
         cursor = r.get(cursor_key)
-        low = f"({cursor.decode()}" if cursor else "-"
-        entries = r.xrevrange(JobKeys(job).output, max="+", min=low, count=per_tick)
-        if entries:
-            facts = [json.dumps(row_fact(json.loads(fields[b"row"])))
-                     for _, fields in reversed(entries)]  # pushed oldest first: newest on top
-            pipe = r.pipeline()
-            pipe.lpush(window_key, *facts)
+        floor = _stream_id(cursor.decode()) if cursor else (0, 0)
+        fresh = [(i, row) for i, row in entries if _stream_id(i) > floor][-window:]
+        pipe = r.pipeline()
+        if fresh:
+            # Pushed oldest first: the newest on top.
+            pipe.lpush(window_key, *(json.dumps(row_fact(row)) for _, row in fresh))
             pipe.ltrim(window_key, 0, window - 1)
-            pipe.set(cursor_key, entries[0][0])
-            pipe.incrby(sampled_key, len(entries))
-            pipe.execute()
-        raw, sampled = r.lrange(window_key, 0, -1), int(r.get(sampled_key) or 0)
-        out = figures(window_report([json.loads(x) for x in raw]), sampled)
+            pipe.set(cursor_key, fresh[-1][0])
+            pipe.incrby(sampled_key, len(fresh))
+        pipe.lrange(window_key, 0, -1)
+        pipe.get(sampled_key)
+        *_, raw, sampled = pipe.execute()
+        out = figures(window_report([json.loads(x) for x in raw]), int(sampled or 0))
         text = json.dumps(out["alerts"])
         if (r.getset(alerts_key, text) or b"[]").decode() != text and out["alerts"]:
             log.warning("job %s: training-data quality of the last %d rows sampled: %s", job,
                         out["window_rows"], "; ".join(out["alerts"]))
-    except Exception as exc:  # never let the quality sample stop progress.json
+    except Exception as exc:  # never let the quality sample stop sealing
         log.exception("job %s: quality sample failed", job)
         out = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     try:
