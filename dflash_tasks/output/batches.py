@@ -352,7 +352,7 @@ class BatchWriter:
     def manifest(self, job: str) -> dict:
         """manifest.json: the batches in the storage (a spooled one is listed once it is there)."""
         records = sorted((rec for v in self.r.hvals(JobKeys(job).manifest)
-                          if (rec := json.loads(v))["location"] != SPOOLED),
+                          if (rec := json.loads(v)).get("location") != SPOOLED),
                          key=lambda rec: rec["name"])
         return {"job": job, "batches": records, "rows": sum(rec["rows"] for rec in records),
                 "bytes": sum(rec["bytes"] for rec in records)}
