@@ -6,6 +6,7 @@ whose output goes to a log and whose whole group is stopped."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,6 +30,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(n: int) -> int:
+    """A port P with P..P+n-1 free, for a launcher that binds BASE+I itself later. Below the
+    kernel's ephemeral range, where every outgoing connection takes a port: there, a port free
+    now may be taken by a client before the server binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    for _ in range(200):
+        base = random.randrange(10_000, low - n)
+        if all(_bindable(base + i) for i in range(n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports below {low}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def wait_until(condition: Callable[[], T], timeout: float = 30.0, interval: float = 0.05,

@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 import yaml
 from support import ROOT, Proc, free_port, python, wait_until
 
+from dflash_dev.local import free_port_run
 from dflash_tasks.cli import cli
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -260,16 +260,8 @@ def test_each_worker_points_at_its_own_gpus_server():
 # -- workers/launch_node.py, for real -----------------------------------------------------------
 
 def port_pair() -> int:
-    """A port P with P and P+1 both free."""
-    for _ in range(100):
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
+    """A port P with P and P+1 both free (the launcher binds them itself)."""
+    return free_port_run(2)
 
 
 def healthy(port: int) -> bool:

@@ -10,8 +10,9 @@ import signal
 
 from conftest import Cluster, write_jsonl
 from failure_support import check_books
-from support import free_port, python, wait_until
+from support import python, wait_until
 
+from dflash_dev.local import free_port_run
 from dflash_tasks.core.keys import WORKERS
 
 # 1 s per request (100 tokens at 100 tokens/s), 4 slots: 4 completions/s per GPU, so 900 prompts
@@ -22,24 +23,11 @@ PROMPTS = 900
 
 def launch(c: Cluster, node: str, gpus: str):
     """A node's launcher, stopped with the cluster (its SIGTERM stops its workers first)."""
-    base = free_port()
-    while not all(_free(base + i) for i in range(len(gpus.split(",")))):
-        base = free_port()
+    base = free_port_run(len(gpus.split(",")))
     return c.spawn(f"node-{node}", python(
         "workers/launch_node.py", "--node", node, "--gpus", gpus, "--simulate",
         "--sim-args", SIM_ARGS, "--max-running-requests", "4", "--base-port", str(base),
         "--log-dir", str(c.logs / f"node-{node}"), "--health-interval", "1"))
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def registered(c: Cluster, *gpus: str) -> bool:
