@@ -31,25 +31,30 @@ LAUNCH_TRAINING_TASK = "dflash_tasks.launch_training"  # beat: queue the runs wh
 CONTROL_QUEUE = "control"                # beat's tasks (and Celery's default queue)
 TRAIN_QUEUE = "train"
 
-_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+def _name(longest: int) -> str:
+    """A name's pattern: letters, digits, '_', '.', '-', starting with a letter or digit."""
+    return rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{longest - 1}}}"
+
+
+JOB_NAME_MAX, NODE_NAME_MAX = 100, 63
+_JOB_NAME = re.compile(rf"^{_name(JOB_NAME_MAX)}$")
+_NODE_NAME = re.compile(rf"^{_name(NODE_NAME_MAX)}$")
+_GPU_NAME = re.compile(rf"^gpu(\d{{1,4}})@({_name(NODE_NAME_MAX)})$")
+
+
+def _checked(name: str, pattern: re.Pattern, what: str, longest: int) -> str:
+    if not pattern.match(name):
+        raise ValueError(f"invalid {what} name {name!r}: use letters, digits, '_', '.', '-' "
+                         f"(at most {longest}, starting with a letter or digit)")
+    return name
 
 
 def check_job_name(name: str) -> str:
-    if not _JOB_NAME.match(name):
-        raise ValueError(f"invalid job name {name!r}: use letters, digits, '_', '.', '-' "
-                         "(at most 100, starting with a letter or digit)")
-    return name
-
-
-_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_GPU_NAME = re.compile(r"^gpu(\d{1,4})@([A-Za-z0-9][A-Za-z0-9_.-]{0,62})$")
+    return _checked(name, _JOB_NAME, "job", JOB_NAME_MAX)
 
 
 def check_node_name(name: str) -> str:
-    if not _NODE_NAME.match(name):
-        raise ValueError(f"invalid node name {name!r}: use letters, digits, '_', '.', '-' "
-                         "(at most 63, starting with a letter or digit)")
-    return name
+    return _checked(name, _NODE_NAME, "node", NODE_NAME_MAX)
 
 
 def gpu_name(node: str, index: int) -> str:
