@@ -291,9 +291,8 @@ def test_a_long_outage_keeps_redis_flat_then_every_row_ships_once(cluster, moto,
     rows = 20
     c = s3_cluster(cluster, proxy.url, batch_rows=rows, batch_max_age_s=1,
                    spool_dir=str(blocker / "spool"))
-    for gpu in (0, 1):
-        c.start_server(gpu, *SIM_ARGS)
-        c.start_worker(gpu)
+    c.start_servers(2, SIM_ARGS)
+    c.start_workers()
     c.start_beat()
     path, ids = dataset(tmp_path, 1400)
     c.manage("enqueue", "--dataset", str(path), "--job", "flat", "--gpus", "2")
