@@ -46,7 +46,7 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import redis
 import zstandard
@@ -55,8 +55,10 @@ from dflash_tasks.core.keys import JobKeys
 from dflash_tasks.core.locks import HeldLock
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger import Ledger
-from dflash_tasks.output.spool import Spool
 from dflash_tasks.output.storage import Storage, StorageError
+
+if TYPE_CHECKING:  # spool.py imports this module (batch names); the writer is given a Spool
+    from dflash_tasks.output.spool import Spool
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ def batch_name(first_entry_id: str) -> str:
 
 
 # The only names batch_name produces (a stream id's milliseconds and sequence number).
-_BATCH_NAME = re.compile(r"batch-\d{13}-\d{4,}")
+BATCH_NAME = re.compile(r"batch-\d{13}-\d{4,}")
 
 
 class BadManifest(ValueError):
@@ -111,7 +113,7 @@ def check_records(job: str, records, where: str) -> list[dict]:
         raise BadManifest(f"{where}: 'batches' is not a list")
     for i, rec in enumerate(records):
         name = rec.get("name") if isinstance(rec, dict) else None
-        if not isinstance(name, str) or not _BATCH_NAME.fullmatch(name):
+        if not isinstance(name, str) or not BATCH_NAME.fullmatch(name):
             raise BadManifest(f"{where}: batch entry {i} has the name {name!r}, which sealing "
                               "never writes (batch-<13 digits>-<4 digits>): refused")
         if rec.get("key") != batch_key(job, name):

@@ -14,14 +14,13 @@ half-written, and the rows stay in Redis.
 from __future__ import annotations
 
 import os
-import re
-import tempfile
 from pathlib import Path
 
 from dflash_tasks.core.keys import check_job_name
+from dflash_tasks.output.batches import BATCH_NAME
+from dflash_tasks.output.storage import fsync_dir, write_whole
 
 SUFFIX = ".jsonl.zst"
-_NAME = re.compile(r"batch-\d{13}-\d{4,}")  # batches.batch_name's names, nothing else
 
 
 class Spool:
@@ -29,7 +28,7 @@ class Spool:
         self.root = Path(root)
 
     def path(self, job: str, name: str) -> Path:
-        if not _NAME.fullmatch(name):
+        if not BATCH_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not a batch name")
         return self.root / check_job_name(job) / f"{name}{SUFFIX}"
 
@@ -38,22 +37,8 @@ class Spool:
         path = self.path(job, name)
         if not path.parent.is_dir():  # a new job directory: its own entry made durable too
             path.parent.mkdir(parents=True, exist_ok=True)
-            _fsync_dir(path.parent.parent)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, path)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        _fsync_dir(path.parent)  # the rename itself survives a power cut
+            fsync_dir(path.parent.parent)
+        write_whole(path, data, sync_dir=True)
         return path
 
     def read(self, job: str, name: str) -> bytes:
@@ -66,16 +51,9 @@ class Spool:
         except (FileNotFoundError, NotADirectoryError):  # nothing was ever spooled there
             return []
         return sorted(e[:-len(SUFFIX)] for e in entries
-                      if e.endswith(SUFFIX) and _NAME.fullmatch(e[:-len(SUFFIX)]))
+                      if e.endswith(SUFFIX) and BATCH_NAME.fullmatch(e[:-len(SUFFIX)]))
 
     def discard(self, job: str, name: str) -> None:
         """Remove a batch that is in the storage now (a missing one is fine: already gone)."""
         self.path(job, name).unlink(missing_ok=True)
 
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -52,6 +52,41 @@ class Storage(Protocol):
     def location(self, key: str) -> str: ...
 
 
+def write_whole(path: Path, data: bytes, *, mode: int | None = None,
+                sync_dir: bool = False) -> None:
+    """`data` at `path`, whole or not at all: written to a temporary file beside it, fsync'd, and
+    renamed into place, so a reader never sees half a file (with `mode`, the file's permissions).
+    With `sync_dir` the rename is fsync'd too: the file then survives a power cut. A full disk
+    (ENOSPC) raises OSError and leaves nothing behind."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class LocalStorage:
     """Files under a root directory, each written to a temporary file and renamed into place,
     so a reader never sees half a file."""
@@ -73,17 +108,8 @@ class LocalStorage:
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            os.fchmod(fd, self._mode)  # mkstemp's 0600 would keep the data from its readers
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        # mkstemp's 0600 would keep the data from its readers
+        write_whole(path, data, mode=self._mode)
 
     def get(self, key: str) -> bytes:
         try:
