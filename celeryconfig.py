@@ -16,8 +16,7 @@ result_backend = _s.redis_url
 # dflash_tasks/tasks/app.py, not named here. A sentinel:// result backend is Celery's
 # SentinelBackend. The password stays out of the URLs (Celery masks these settings' values):
 # the broker's and the result backend's, for a URL that has none.
-broker_password = redis_password = \
-    _s.redis_password.get_secret_value() if _s.redis_password else None
+broker_password = redis_password = _s.redis_password_value()
 # Both find the master of this name through the sentinels at every reconnect.
 _sentinel = {"master_name": _s.redis_master_name, "sentinel_kwargs": _s.sentinel_kwargs()} \
     if sentinel_nodes(_s.redis_url) else {}

@@ -25,7 +25,7 @@ def connect(s: Settings, **options) -> redis.Redis:
     connection to a master that went away (or became a replica) is dropped, so the client
     follows a failover by itself (a command that was on the lost connection fails; the
     callers' retries cover that)."""
-    password = s.redis_password.get_secret_value() if s.redis_password else None
+    password = s.redis_password_value()
     found = sentinel_nodes(s.redis_url)
     if found is None:
         return redis.Redis.from_url(s.redis_url, password=password, **options)

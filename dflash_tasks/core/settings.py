@@ -185,6 +185,10 @@ class Settings(BaseSettings):
         sentinel_nodes(url)  # a malformed sentinel:// URL fails here, with what to write instead
         return url
 
+    def redis_password_value(self) -> str | None:
+        """The Redis servers' password in clear, for the clients that send it (never logged)."""
+        return self.redis_password.get_secret_value() if self.redis_password else None
+
     def sentinel_kwargs(self) -> dict:
         """redis-py's arguments for the connections to the sentinels (kombu's and Celery's
         `sentinel_kwargs` too): their password, and timeouts, so that a sentinel that hangs is

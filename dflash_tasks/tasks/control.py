@@ -55,7 +55,8 @@ def tick_job(name: str) -> dict | None:
         storage = storage_for(s)
         _seal_and_ship(r, s, name, storage)
         snap = snapshot(r, name, s)
-        finished = snap["status"] == "running" and is_finished(snap) and _final_manifest(r, name, snap)
+        finished = snap["status"] == "running" and is_finished(snap) and \
+            _final_manifest(r, name, snap)
         if finished:
             snap["status"] = "done"
         lock.still_held()
