@@ -353,14 +353,19 @@ class BatchWriter:
 
     def manifest(self, job: str) -> dict:
         """manifest.json: the batches in the storage (a spooled one is listed once it is there)."""
-        records = sorted((rec for v in self.r.hvals(JobKeys(job).manifest)
-                          if (rec := json.loads(v)).get("location") != SPOOLED),
-                         key=lambda rec: rec["name"])
+        records = sorted(stored_records(self.r, job), key=lambda rec: rec["name"])
         return {"job": job, "batches": records, "rows": sum(rec["rows"] for rec in records),
                 "bytes": sum(rec["bytes"] for rec in records)}
 
     def write_manifest(self, job: str) -> None:
         self.storage.put(manifest_key(job), json.dumps(self.manifest(job), indent=1).encode())
+
+
+def stored_records(r: redis.Redis, job: str) -> list[dict]:
+    """The job's manifest records of the batches in the storage, not those waiting in the spool
+    (a record without a location predates the spool: in the storage)."""
+    return [rec for v in r.hvals(JobKeys(job).manifest)
+            if (rec := json.loads(v)).get("location") != SPOOLED]
 
 
 class ChecksumMismatch(ValueError):

@@ -8,16 +8,14 @@ training worker takes it; the quality gate runs there, on the data as it is at t
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 
 import redis
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import JobKeys
 from dflash_tasks.core.settings import Settings
-from dflash_tasks.output.batches import SPOOLED
+from dflash_tasks.output.batches import stored_records
 from dflash_tasks.training.queue import runs
 
 log = logging.getLogger(__name__)
@@ -34,8 +32,7 @@ def beat(r: redis.Redis, s: Settings, send) -> None:
 
 def shipped_rows(r: redis.Redis, job: str) -> int:
     """Rows in batches a training run can read: in the storage, not waiting in beat's spool."""
-    return sum(rec["rows"] for v in r.hvals(JobKeys(job).manifest)
-               if (rec := json.loads(v))["location"] != SPOOLED)
+    return sum(rec["rows"] for rec in stored_records(r, job))
 
 
 def is_ready(r: redis.Redis, run: runs.Run) -> bool:
