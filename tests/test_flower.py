@@ -25,9 +25,10 @@ def test_flower_refuses_to_start_without_credentials(cluster):
 
 def test_flower_shows_gpu_workers_queues_and_prompt_tasks(cluster, tmp_path):
     c = cluster()
+    gpu_workers = []
     for gpu in (0, 1):
         c.start_server(gpu, "--slots", "8", "--decode-tps", "4000")
-        c.start_worker(gpu)
+        gpu_workers.append(c.start_worker(gpu))
     c.start_beat()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -38,6 +39,10 @@ def test_flower_shows_gpu_workers_queues_and_prompt_tasks(cluster, tmp_path):
                    what="Flower to answer")
         assert httpx.get(base + "/api/workers").status_code == 401
         assert httpx.get(base + "/", auth=("operator", "wrong")).status_code == 401
+        # Workers send task events only once Flower asks for them (celeryconfig.py): it does
+        # every 5 s, and a worker logs the first request.
+        wait_until(lambda: all("Events of group {task} enabled by remote" in w.log()
+                               for w in gpu_workers), timeout=30, what="Flower to turn events on")
 
         rows = [{"id": f"flower-{i}", "prompt": f"Say {i}."} for i in range(60)]
         c.manage("enqueue", "--dataset", str(write_jsonl(tmp_path / "p.jsonl", rows)),

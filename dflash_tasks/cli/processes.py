@@ -59,7 +59,7 @@ def worker(gpu: int | None, node: str | None, queue: str | None, sglang_url: str
         # Threads, not prefork: the run executes in this process, so a warm shutdown (TERM)
         # reaches it at once and it hands itself back to the queue from its last checkpoint.
         _exec_celery(["worker", "-Q", TRAIN_QUEUE, "-n", f"{TRAIN_QUEUE}@%h", "-P", "threads", "-c", "1",
-                      "-E", "--without-gossip", "--without-mingle", "--loglevel", loglevel])
+                      "--without-gossip", "--without-mingle", "--loglevel", loglevel])
 
     if node is not None:
         try:
@@ -90,7 +90,7 @@ def worker(gpu: int | None, node: str | None, queue: str | None, sglang_url: str
                           f"concurrency {concurrency}")
     # The GPU's queue and its Celery worker bear the GPU's name (unique in the deployment).
     _exec_celery(["worker", "-Q", name, "-n", name, "-P", "threads",
-                  "-c", str(concurrency), "-E", "--without-gossip", "--without-mingle",
+                  "-c", str(concurrency), "--without-gossip", "--without-mingle",
                   "--loglevel", loglevel])
 
 
@@ -107,7 +107,7 @@ def beat_args(loglevel: str = "INFO") -> list[str]:
     schedule = get_settings().output_dir / "celerybeat-schedule"
     schedule.parent.mkdir(parents=True, exist_ok=True)
     return ["worker", "-B", "-s", str(schedule), "-Q", CONTROL_QUEUE, "-n", f"{CONTROL_QUEUE}@%h",
-            "-P", "threads", "-c", "4", "-E", "--without-gossip", "--without-mingle",
+            "-P", "threads", "-c", "4", "--without-gossip", "--without-mingle",
             "--loglevel", loglevel]
 
 

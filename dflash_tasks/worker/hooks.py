@@ -139,6 +139,18 @@ def _quiet_httpx(**_):
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+def _quiet_per_task_lines(loglevel=logging.INFO, **_):
+    """Celery logs two INFO lines per task (received, succeeded): 7% of a GPU worker's CPU at
+    hundreds of completions a second (benchmarks/RESULTS.md, case 4), and nothing the ledger,
+    progress.json and Flower do not say better. They come back with --loglevel DEBUG. Retries,
+    failures and the worker's own lines are logged as before."""
+    if isinstance(loglevel, str):
+        loglevel = logging.getLevelName(loglevel.upper())
+    if loglevel > logging.DEBUG:
+        for name in ("celery.worker.strategy", "celery.app.trace"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _refuse_redis_without_persistence(sender=None, **_):
     """However the worker was launched: a Redis that persists nothing loses every prompt's
     state on a restart (connections.check_persistence)."""
@@ -153,6 +165,7 @@ def connect(app) -> None:
     """Wire a worker's life to its runtime, for `app` (tasks/app.py calls it once). The
     receivers are module functions, held strongly; dispatch_uid makes a second call harmless."""
     for signal, receiver in ((signals.worker_init, _quiet_httpx),
+                             (signals.after_setup_logger, _quiet_per_task_lines),
                              (signals.worker_init, _refuse_redis_without_persistence),
                              (signals.celeryd_after_setup, _size_http_pools),
                              (signals.celeryd_after_setup, _wait_for_servers),
