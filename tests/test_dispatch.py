@@ -177,3 +177,57 @@ def test_take_lua_and_the_python_selection_agree(redis_url, gpus, nodes):
         book.add_prompts("sel", [("p", encode_messages([{"role": "user", "content": "q"}]))])
         took = book.take("sel", gpu, 1, task="dflash_tasks.generate", origin="t", reply_to="")
         assert bool(took) == selection.allows(gpu), (selection, gpu)
+
+
+def test_the_last_prompts_go_to_gpus_measurably_faster_while_they_are_alive(redis_url, dispatch):
+    """The end game on unequal servers (issue 18): complete.lua keeps each GPU's request speed;
+    once the prompts left are fewer than the faster GPUs start in the time the slower one's
+    slowness costs (window x (speed ratio - 1) each), the slower GPU takes none of them, unless
+    those GPUs are gone (stale heartbeat) or their breaker is open; and once none is left, a
+    faster GPU takes from a slower one's queue."""
+    from dflash_tasks.core.keys import BREAKERS, WORKERS_SEEN, JobKeys
+    from dflash_tasks.ledger import Ledger
+
+    r, book, k = redis.Redis.from_url(redis_url), Ledger(redis.Redis.from_url(redis_url)), JobKeys("end")
+    setup_job(r, "end", 40, gpus=3, concurrency=4)  # windows of 6
+    for gpu in range(3):
+        assert dispatch.topup("end", g(gpu)) == 6
+    for gpu, latency in ((0, 1.0), (1, 1.0), (2, 2.0)):     # gpu2 decodes at half the speed
+        prompt = queued(r, g(gpu))[0][1]
+        assert book.complete("end", prompt, g(gpu), {"id": prompt, "metadata": {
+            "prompt_tokens": 10, "completion_tokens": 1000, "finish_reason": "stop",
+            "latency_s": latency}})
+    assert {gpu.decode(): float(v) for gpu, v in r.hgetall(k.speed).items()} == \
+        {g(0): 1000.0, g(1): 1000.0, g(2): 500.0}
+    now = float(r.time()[0])
+    r.hset(WORKERS_SEEN, mapping={g(0): now, g(1): now, g(2): now})
+    # gpu0 and gpu1 start 4 x (1000 / 500 - 1) = 4 prompts each while gpu2's slowness costs.
+    r.ltrim(k.pending, 0, 7)
+    assert dispatch.topup("end", g(2)) == 0
+    r.hset(BREAKERS, g(0), json.dumps({"state": "open"}))   # gpu0's server is failing: the
+    r.ltrim(k.pending, 0, 3)                                 # 4 left are gpu1's alone
+    assert dispatch.topup("end", g(2)) == 0
+    r.ltrim(k.pending, 0, 4)
+    r.rpush(k.pending, "p-extra")                            # 5: more than gpu1 takes in time
+    assert dispatch.topup("end", g(2)) == 1
+    r.hset(WORKERS_SEEN, g(1), now - 1000)                   # gpu1 gone too: gpu2 takes the rest
+    assert dispatch.topup("end", g(2)) == 0                  # (its window is full again)
+    r.zpopmin(k.inflight(g(2)), 3)
+    assert dispatch.topup("end", g(2)) == 3
+    # Pending empty: a faster GPU with room takes from a slower one's queue even while its own
+    # queue still holds messages; not from a GPU as fast as itself.
+    r.delete(k.pending, g(2), k.inflight(g(2)))
+    r.rpush(k.pending, "late1", "late2")
+    assert dispatch.topup("end", g(2)) == 2 and r.llen(k.pending) == 0
+    assert r.llen(g(0)) > 0 and r.llen(g(1)) > 0
+    r.zpopmin(k.inflight(g(1)), 1)
+    assert dispatch.topup("end", g(1)) == 1 and [q[1] for q in queued(r, g(2))] == ["late1"]
+    assert r.zscore(k.inflight(g(1)), "late2") is not None
+    r.delete(g(2))
+    r.zpopmin(k.inflight(g(1)), 1)
+    assert dispatch.topup("end", g(1)) == 0     # gpu0's queue is not gpu1's to empty
+    # A faster GPU's request speed moves as a moving average, not to each request's.
+    prompt = queued(r, g(0))[1][1]                           # [0] is done already
+    assert book.complete("end", prompt, g(0), {"id": prompt, "metadata": {
+        "prompt_tokens": 10, "completion_tokens": 1000, "finish_reason": "stop", "latency_s": 0.5}})
+    assert float(r.hget(k.speed, g(0))) == pytest.approx(1050.0)

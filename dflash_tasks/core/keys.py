@@ -107,6 +107,10 @@ class JobKeys:
         return self._k("gpus")
 
     @property
+    def speed(self) -> str:       # hash: GPU -> its requests' output tokens/s (a moving average)
+        return self._k("speed")
+
+    @property
     def every_key(self) -> str:   # SCAN pattern of every key of the job (they share its hash tag)
         return self._k("*").replace("{", "\\{").replace("}", "\\}")
 

@@ -92,9 +92,10 @@ def topup(app: Celery, book: Ledger, s: Settings, job: str, gpu: str) -> int:
     One round trip: take.lua moves the ids to the GPU's in-flight set and LPUSHes their Celery
     messages in the same call (no kombu publish, no task-sent event per refill). Once pending is
     empty, a GPU with an empty queue takes one waiting prompt from the longest other queue of the
-    job (see take.lua): the end of a run is not spent waiting for the slowest GPU's backlog."""
+    job (see take.lua): the end of a run is not spent waiting for the slowest GPU's backlog. And
+    the last few prompts are left to GPUs measurably faster than this one, when they are alive."""
     ids = book.take(job, gpu, window_for(book.r, s, gpu), task=GENERATE_TASK, origin=_origin(),
-                    reply_to=app.thread_oid)
+                    reply_to=app.thread_oid, alive_s=s.worker_gone_after_s)
     return len(ids)
 
 

@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 import redis
 
 from dflash_tasks.core.connections import redis_client
-from dflash_tasks.core.keys import MEMORY_HOLD, JobKeys, queue_for
+from dflash_tasks.core.keys import BREAKERS, MEMORY_HOLD, WORKERS, WORKERS_SEEN, JobKeys, queue_for
 from dflash_tasks.core.settings import Settings, get_settings
 from dflash_tasks.ledger.messages import decode_messages
 
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 LAGGING_WARN_EVERY_S = 60.0
 HIST_BUCKET_TOKENS = 64   # output-length histogram resolution, for percentiles without scans
+SPEED_MIN_TOKENS = 64     # the shortest request that counts for its GPU's speed (take.lua)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +74,19 @@ class Ledger:
     # -- dispatch --------------------------------------------------------------------------------
 
     def take(self, job: str, gpu: str, window: int, *, task: str, origin: str,
-             reply_to: str) -> list[str]:
+             reply_to: str, alive_s: float = 180) -> list[str]:
         """Top gpu's window up from pending and publish a `task` message per id taken onto its
         queue, in one call; at the end of the run, steal from the job's other GPUs (take.lua).
         Nothing when the job's GPU selection does not allow `gpu`, nor while dispatch is held
-        (the job's batches can go nowhere, or Redis is near its maxmemory). Returns the ids taken."""
+        (the job's batches can go nowhere, or Redis is near its maxmemory), nor, at the very end
+        of the run, on a GPU measurably slower than others that are alive and will free a slot
+        sooner (take.lua; a heartbeat older than `alive_s` is not alive). Returns the ids taken."""
         k = JobKeys(job)
         ids = self._scripts["take"](keys=[k.config, k.pending, k.inflight(gpu), k.gpus, queue_for(gpu),
-                                          k.hold, MEMORY_HOLD],
-                                    args=[window, job, gpu, task, origin, reply_to, k.inflight("")])
+                                          k.hold, MEMORY_HOLD, k.speed, WORKERS_SEEN, WORKERS,
+                                          BREAKERS],
+                                    args=[window, job, gpu, task, origin, reply_to, k.inflight(""),
+                                          alive_s])
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
     def task_state(self, job: str, prompt_id: str, gpu: str) -> TaskState:
@@ -136,10 +141,14 @@ class Ledger:
         meta = row["metadata"]
         out = int(meta["completion_tokens"])
         keys = [k.done, k.inflight(gpu), k.prompts, k.failed, k.counters, k.rate, k.output,
-                k.pending, k.config, k.gpus]
+                k.pending, k.config, k.gpus, k.speed]
+        latency = float(meta.get("latency_s") or 0)
+        # A request too short to say how fast the GPU decodes (prefill and the round trip
+        # dominate it) does not move its speed.
+        speed = f"{out / latency:.1f}" if out >= SPEED_MIN_TOKENS and latency > 0 else ""
         args = [prompt_id, json.dumps(row, ensure_ascii=False, separators=(",", ":")),
                 int(meta["prompt_tokens"]), out, meta["finish_reason"], gpu, rate_bucket_s,
-                out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, k.inflight("")]
+                out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, k.inflight(""), speed]
         if not self.wait_replicas:
             return bool(self._scripts["complete"](keys=keys, args=args))
         # WAIT counts the replicas that have the writes of its own connection: in one pipeline

@@ -1,8 +1,8 @@
 -- Record a finished prompt exactly once: done mark, counters and output row in one atomic step,
 -- so the counters always equal what the output holds, whatever is delivered twice.
--- KEYS: done, inflight(gpu), prompts, failed, counters, rate, output, pending, config, gpus
+-- KEYS: done, inflight(gpu), prompts, failed, counters, rate, output, pending, config, gpus, speed
 -- ARGV: id, row_json, input_tokens, output_tokens, finish_reason, gpu, rate_bucket_s, hist_bucket,
---       inflight_prefix
+--       inflight_prefix, tokens_per_s (the request's; empty when too short to say)
 -- Returns 1 when recorded, 0 when the id was already done (a duplicate delivery) or the job was
 -- deleted while the request ran (nothing is written: its keys stay gone).
 local id = ARGV[1]
@@ -37,6 +37,13 @@ redis.call('HINCRBY', KEYS[6], ARGV[6] .. ':c:' .. bucket, 1)
 redis.call('HINCRBY', KEYS[6], ARGV[6] .. ':t:' .. bucket, output_tokens)
 redis.call('HSETNX', KEYS[5], 'first_completed_at', now)
 redis.call('HSET', KEYS[5], 'last_completed_at', now)
+-- How fast this GPU's requests go, for take.lua's end game: a moving average over its last
+-- twenty or so requests (a server's speed drifts with its load and the prompts' lengths).
+local speed = tonumber(ARGV[10])
+if speed and speed > 0 then
+  local old = tonumber(redis.call('HGET', KEYS[11], ARGV[6]))
+  redis.call('HSET', KEYS[11], ARGV[6], old and old + 0.05 * (speed - old) or speed)
+end
 local entry = redis.call('XADD', KEYS[7], '*', 'id', id, 'row', ARGV[2])
 -- What beat's tick reads to decide whether to seal, instead of the rows (batches.py): the bytes
 -- waiting (each row and its newline, as in the batch file), and the time of the oldest row (its

@@ -1,7 +1,8 @@
 -- Top one GPU's window up: move ids from pending to that GPU's in-flight set, and publish their
 -- Celery task messages onto its queue.
--- KEYS: config, pending, inflight(gpu), gpus, queue(gpu), hold (the job's), memory hold (Redis's)
--- ARGV: window, job, gpu, task name, origin, reply_to, inflight_prefix
+-- KEYS: config, pending, inflight(gpu), gpus, queue(gpu), hold (the job's), memory hold (Redis's),
+--       speed (the job's), workers:seen, workers, breakers
+-- ARGV: window, job, gpu, task name, origin, reply_to, inflight_prefix, alive_s
 -- Returns the ids taken; none unless the job is running, its GPU selection allows this GPU and
 -- no hold is set.
 --
@@ -16,15 +17,22 @@
 -- The end game: once pending is empty, a GPU whose own queue is empty takes one waiting
 -- message from the longest queue of another of the job's GPUs (the newest one there: the last
 -- that GPU would have started), so the prompts already queued behind a slow GPU finish on
--- whichever GPU frees a slot first instead of waiting for the slow one. Only this job's
--- messages published here are moved (not retries, which carry their attempt count).
-local function steal()
+-- whichever GPU frees a slot first instead of waiting for the slow one. A GPU measurably faster
+-- (15% or more, complete.lua's `speed`) than another takes from that one's queue even while its
+-- own still holds messages: they finish sooner here. Only this job's messages published here
+-- are moved (not retries, which carry their attempt count).
+local function steal(only_slower)
   local job, gpu, task, inflight_prefix = ARGV[2], ARGV[3], ARGV[4], ARGV[7]
+  local own = tonumber(redis.call('HGET', KEYS[8], gpu))
+  if only_slower and not own then
+    return nil
+  end
   local skip = {}
   while true do
     local best, best_len = nil, 0
     for _, other in ipairs(redis.call('SMEMBERS', KEYS[4])) do
-      if other ~= gpu and not skip[other] then
+      local speed = only_slower and tonumber(redis.call('HGET', KEYS[8], other))
+      if other ~= gpu and not skip[other] and not (only_slower and not (speed and 1.15 * speed <= own)) then
         local len = redis.call('LLEN', other)
         if len > best_len then
           best, best_len = other, len
@@ -77,6 +85,41 @@ local function allowed(gpu)
   return string.find(',' .. gpus .. ',', ',' .. gpu .. ',', 1, true) ~= nil
 end
 
+-- The end game on unequal servers: when the last prompts of the run are so few that the GPUs
+-- measurably faster than this one (their requests' speed, complete.lua) will free a slot for
+-- each of them before this one would finish it, they go there: a long prompt started late on
+-- a slow server is what decides the end of a run. Faster means 15% or more; only GPUs alive
+-- (heartbeat within alive_s) with a closed breaker, that the job may use, count. How many they
+-- take: window x (their speed / ours - 1) each, the prompts they start in the time this GPU's
+-- extra slowness costs. Checked only once pending is within a window per GPU of the job.
+local function leave_to_faster(left)
+  if left > tonumber(ARGV[1]) * redis.call('SCARD', KEYS[4]) then
+    return false
+  end
+  local own = tonumber(redis.call('HGET', KEYS[8], ARGV[3]))
+  if not own then
+    return false
+  end
+  local now = redis.call('TIME')
+  now = tonumber(now[1]) + tonumber(now[2]) / 1e6
+  local reserve = 0
+  for _, other in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+    local speed = tonumber(redis.call('HGET', KEYS[8], other))
+    if other ~= ARGV[3] and speed and speed >= 1.15 * own and allowed(other) then
+      local seen = tonumber(redis.call('HGET', KEYS[9], other))
+      local breaker = redis.call('HGET', KEYS[11], other)
+      local worker = redis.call('HGET', KEYS[10], other)
+      local open = breaker and string.find(breaker, '"state": *"open"') ~= nil
+      if seen and now - seen <= tonumber(ARGV[8]) and worker and not open then
+        local ok, reg = pcall(cjson.decode, worker)
+        local slots = ok and type(reg) == 'table' and tonumber(reg.concurrency) or 0
+        reserve = reserve + slots * (speed / own - 1)
+      end
+    end
+  end
+  return reserve > 0 and left <= reserve
+end
+
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then
   return {}
 end
@@ -96,14 +139,15 @@ local room = tonumber(ARGV[1]) - redis.call('ZCARD', KEYS[3])
 if room <= 0 then
   return {}
 end
+if leave_to_faster(redis.call('LLEN', KEYS[2])) then
+  return {}
+end
 local ids = redis.call('LPOP', KEYS[2], room)
 if not ids then
   ids = {}
-  if redis.call('LLEN', KEYS[5]) == 0 then
-    local stolen = steal()
-    if stolen then
-      ids[1] = stolen
-    end
+  local stolen = steal(redis.call('LLEN', KEYS[5]) > 0)
+  if stolen then
+    ids[1] = stolen
   end
   if #ids == 0 then
     return {}
