@@ -19,6 +19,8 @@ see the same machine. The table goes to stdout and to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -26,8 +28,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import redis
@@ -35,9 +38,11 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import data, measure, report  # noqa: E402
+from benchmarks import data, measure, profile, report  # noqa: E402
 from dflash_dev.local import LocalCluster, free_port, wait_until  # noqa: E402
 from dflash_tasks.core.keys import JobKeys, queue_for  # noqa: E402
+from dflash_tasks.core.settings import Settings  # noqa: E402
+from dflash_tasks.ingest.prompts import read_prompts  # noqa: E402
 
 CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path(tempfile.gettempdir()) / "dflash-bench"))
 
@@ -56,11 +61,24 @@ class Config:
     concurrency: int | None = None   # GPU workers' threads [manage.py worker's default]
     scale_prompts: int = 1_000_000   # case 5
     scale_done: int = 990_000
+    outage_prompts: int = 12_000     # case 6: an S3 outage in the middle of a run
+    outage_tokens: int = 1500        # every answer this long (rows of about 20 KB with their ids)
+    outage_decode_tps: float = 1100.0  # per request: about 120 rows/s from 4 x 40 slots
+    outage_warmup_s: float = 15.0
+    outage_s: float = 90.0
+    endgame_prompts: int = 3_000     # case 7: about 19 prompts per slot, one server slower
+    many_nodes: int = 4              # case 8: simulated nodes (one LocalCluster each) ...
+    many_gpus_per_node: int = 16     # ... of this many GPUs: 64
+    many_slots: int = 16             # decode slots per server
+    many_decode_tps: float = 400.0   # per request: about 150 requests/s from 1,024 slots
+    many_prompts: int = 16_384       # 16 per slot
 
     @classmethod
     def quick(cls) -> "Config":
         return cls(prompts=2_000, decode_tps=2500.0, overhead_prompts=3_000, noop_tasks=3_000,
-                   scale_prompts=100_000, scale_done=99_000)
+                   scale_prompts=100_000, scale_done=99_000, outage_prompts=4_000,
+                   outage_warmup_s=8.0, outage_s=25.0, endgame_prompts=1_000,
+                   many_nodes=2, many_gpus_per_node=8, many_prompts=2_048)
 
 
 def log(msg: str) -> None:
@@ -181,8 +199,12 @@ def noop_case(cfg: Config, work: Path) -> dict:
             "worker_cpu_ms_per_task": 1000 * cpu / (cfg.noop_tasks - cpu0[2])}
 
 
-def overhead_case(cfg: Config, work: Path, dataset: Path) -> dict:
-    root = work / "overhead"
+def overhead_case(cfg: Config, work: Path, dataset: Path, flower: bool = False) -> dict:
+    """Case 4: with Flower off (as deployed unless someone watches), GPU worker 0 profiled with
+    py-spy through the steady part; with Flower on (every worker sending task events), the rate
+    alone."""
+    name = "overhead-flower" if flower else "overhead"
+    root = work / name
     sim_args = ["--slots", str(cfg.slots), "--decode-tps", "1e9", "--prefill-tps", "1e12",
                 "--fixed-tokens", str(cfg.overhead_tokens)]
     with LocalCluster(root / "logs", env={"DFLASH_OUTPUT_DIR": str(root / "output")}) as c:
@@ -190,20 +212,32 @@ def overhead_case(cfg: Config, work: Path, dataset: Path) -> dict:
         c.start_servers(cfg.servers, sim_args)
         c.start_workers()
         c.start_beat()
+        if flower:
+            c.spawn("flower", [sys.executable, "manage.py", "flower", "--no-auth",
+                               "--port", str(free_port())])
+            wait_until(lambda: all("Events of group {task} enabled by remote" in w.log()
+                                   for w in c.workers.values()),
+                       timeout=60, what="Flower to turn the workers' events on")
         r = redis.Redis.from_url(c.env["DFLASH_REDIS_URL"])
-        k = JobKeys("overhead")
-        log(f"case 4: {cfg.overhead_prompts:,} prompts on servers that answer at once")
+        k = JobKeys(name)
+        log(f"case 4: {cfg.overhead_prompts:,} prompts on servers that answer at once"
+            f" (Flower {'on' if flower else 'off'})")
         meter = measure.CpuMeter({n: p.pid for n, p in c.named.items()}).start()
         started = time.monotonic()
-        c.manage("enqueue", "--dataset", str(dataset), "--job", "overhead", "--gpus",
+        c.manage("enqueue", "--dataset", str(dataset), "--job", name, "--gpus",
                  str(cfg.servers), "--limit", str(cfg.overhead_prompts), capture=True)
         samples: list[tuple[float, int]] = []
+        spy, raw = None, root / "worker0.pyspy.txt"
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             done = int(r.hget(k.counters, "completed") or 0)
             samples.append((time.monotonic(), done))
             if done >= cfg.overhead_prompts:
                 break
+            if not flower and spy is None and done >= 0.1 * cfg.overhead_prompts:
+                # Through the steady part: about half of what the run has left at this rate.
+                left_s = 0.8 * cfg.overhead_prompts / max(1.0, _rate_so_far(samples))
+                spy = profile.record(c.workers[0].pid, 0.5 * left_s, raw)
             time.sleep(0.1)
         completed_at = time.monotonic()
         meter.stop()
@@ -211,11 +245,26 @@ def overhead_case(cfg: Config, work: Path, dataset: Path) -> dict:
                    what="the last rows sealed")
         sealed_at = time.monotonic()
         batches = int(r.hget(k.counters, "batches") or 0)
+        profiled = None
+        if spy is not None:
+            _, err = spy.communicate(timeout=120)
+            if raw.exists():
+                parts, n = profile.shares(raw)
+                profiled = {"parts": parts, "samples": n}
+            else:
+                log(f"case 4: py-spy wrote no profile: {err.strip()[-300:]}")
     n = cfg.overhead_prompts
-    return {"prompts": n, "rate": _rate(samples, n),
+    return {"prompts": n, "rate": _rate(samples, n), "flower": flower,
             "rate_incl_startup": n / (completed_at - started),
             "sealed_after_s": sealed_at - started, "batches": batches,
-            "cpu_ms_per_completion": {g: 1000 * v / n for g, v in meter.grouped().items()}}
+            "cpu_ms_per_completion": {g: 1000 * v / n for g, v in meter.grouped().items()
+                                      if g != "flower"},
+            "worker_profile": profiled}
+
+
+def _rate_so_far(samples: list[tuple[float, int]]) -> float:
+    (t0, n0), (t1, n1) = samples[0], samples[-1]
+    return (n1 - n0) / max(1e-3, t1 - t0)
 
 
 # -- case 5 -------------------------------------------------------------------------------------
@@ -285,12 +334,218 @@ def scale_case(cfg: Config, work: Path) -> dict:
             "enqueue_output": out.stdout[-2000:], "resume_output": again.stdout[-2000:]}
 
 
+# -- case 6 -------------------------------------------------------------------------------------
+
+class MemorySampler:
+    """Redis's used_memory every `interval` seconds, in a thread: [(monotonic time, bytes)]."""
+
+    def __init__(self, r: redis.Redis, interval: float = 0.5):
+        self.r, self.interval = r, interval
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), self.r.info("memory")["used_memory"]))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, t0: float, t1: float) -> list[int]:
+        return [m for t, m in self.samples if t0 <= t <= t1]
+
+
+def outage_case(cfg: Config, work: Path, dataset: Path) -> dict:
+    """Case 6: S3 (moto's server, behind a proxy that is cut) goes away for cfg.outage_s in the
+    middle of a run, with the deployed batch size. Sealed batches go to beat's spool and leave
+    Redis, so Redis's memory stays where it was; when S3 is back every batch goes up in order,
+    and every prompt's row is in S3 exactly once."""
+    from dflash_dev.s3 import AWS_ENV, BUCKET, MotoServer, TcpProxy
+    from dflash_tasks.output.batches import read_batch, read_manifest
+    from dflash_tasks.output.storage import S3Storage
+
+    root = work / "outage"
+    root.mkdir(parents=True, exist_ok=True)
+    moto = MotoServer(root / "moto.log")
+    moto.create_bucket()
+    proxy = TcpProxy(moto.port).start()
+    s3_env = {**AWS_ENV, "AWS_ENDPOINT_URL": proxy.url, "DFLASH_S3_URI": f"s3://{BUCKET}/runs",
+              "DFLASH_OUTPUT_DIR": str(root / "output")}
+    sim_args = ["--slots", str(cfg.slots), "--decode-tps", f"{cfg.outage_decode_tps:g}",
+                "--fixed-tokens", str(cfg.outage_tokens)]
+    job, n = "outage", cfg.outage_prompts
+    try:
+        with LocalCluster(root / "logs", env=s3_env) as c:
+            c.start_redis(free_port(), root / "redis")
+            c.start_servers(cfg.servers, sim_args)
+            c.start_workers()
+            c.start_beat()
+            r = redis.Redis.from_url(c.env["DFLASH_REDIS_URL"])
+            k = JobKeys(job)
+            spool = root / "output" / ".spool" / job
+
+            def completed() -> int:
+                return int(r.hget(k.counters, "completed") or 0)
+
+            log(f"case 6: {n:,} prompts of {cfg.outage_tokens} tokens; S3 cut for"
+                f" {cfg.outage_s:.0f} s after {cfg.outage_warmup_s:.0f} s")
+            with MemorySampler(r) as memory:
+                c.manage("enqueue", "--dataset", str(dataset), "--job", job, "--gpus",
+                         str(cfg.servers), "--limit", str(n), capture=True)
+                started = time.monotonic()
+                wait_until(lambda: time.monotonic() - started >= cfg.outage_warmup_s
+                           and int(r.hget(k.counters, "batches") or 0) >= 1,
+                           timeout=300, interval=0.2, what="a first batch in S3")
+                proxy.stop()
+                cut_at, done_at_cut = time.monotonic(), completed()
+                wait_until(lambda: time.monotonic() - cut_at >= cfg.outage_s, timeout=cfg.outage_s + 5,
+                           interval=0.5)
+                restored_at, done_at_restore = time.monotonic(), completed()
+                spooled_peak = len(list(spool.glob("*"))) if spool.exists() else 0
+                proxy = TcpProxy(moto.port, port=proxy.port).start()
+                wait_until(lambda: r.hget(k.config, "status") == b"done"
+                           and not (spool.exists() and any(spool.glob("*"))),
+                           timeout=600, interval=0.5, what="every row shipped after the outage")
+                shipped_at = time.monotonic()
+            storage = S3Storage(f"s3://{BUCKET}/runs")
+            with _environ({**AWS_ENV, "AWS_ENDPOINT_URL": moto.url}):
+                storage.client  # made with moto's endpoint, not the proxy's
+                manifest = read_manifest(storage, job)
+                rows = [row for rec in manifest["batches"] for row in read_batch(storage, rec)]
+        ids = [row["id"] for row in rows]
+        row_bytes = statistics.mean(len(json.dumps(row)) for row in rows)
+        expected = {p.id for p in itertools.islice(read_prompts(dataset), n)}
+    finally:
+        proxy.stop()
+        moto.stop()
+    before = memory.between(cut_at - 5, cut_at)
+    during = memory.between(cut_at, restored_at)
+    half = memory.between((cut_at + restored_at) / 2, restored_at)
+    return {"prompts": n, "outage_s": restored_at - cut_at,
+            "rows_during_outage": done_at_restore - done_at_cut,
+            "spooled_batches_at_restore": spooled_peak,
+            "memory_before": max(before), "memory_peak_during": max(during),
+            "memory_peak_second_half": max(half), "memory_end_of_outage": during[-1],
+            "memory_series": [(round(t - cut_at, 1), m) for t, m in memory.samples],
+            "shipped_after_restore_s": shipped_at - restored_at,
+            "batches": len(manifest["batches"]), "rows_shipped": len(ids),
+            "ids_doubled": len(ids) - len(set(ids)), "ids_missing": len(expected - set(ids)),
+            "ids_unknown": len(set(ids) - expected), "batch_rows": Settings().batch_rows,
+            "mean_row_bytes": row_bytes}
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# -- case 8 -------------------------------------------------------------------------------------
+
+def rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def many_gpus_case(cfg: Config, work: Path, dataset: Path, unit_times: list[float]) -> dict:
+    """Case 8: cfg.many_nodes simulated nodes of cfg.many_gpus_per_node GPUs each (a LocalCluster
+    per node, the GPUs named gpuI@nodeN as on real nodes), one Redis and one beat, one job over
+    all of them. No baseline beside it: the machine has room for one such deployment."""
+    root = work / "many"
+    nodes = [f"node{i}" for i in range(cfg.many_nodes)]
+    n_gpus = cfg.many_nodes * cfg.many_gpus_per_node
+    sim_args = ["--slots", str(cfg.many_slots), "--decode-tps", f"{cfg.many_decode_tps:g}"]
+    env = {"DFLASH_OUTPUT_DIR": str(root / "output")}
+    clusters = [LocalCluster(root / "logs" / node, env=env, node=node) for node in nodes]
+    with contextlib.ExitStack() as stack:
+        for c in reversed(clusters):  # the first node, with Redis, stops last
+            stack.enter_context(c)
+        first = clusters[0]
+        url = first.start_redis(free_port(), root / "redis")
+        for c in clusters[1:]:
+            c.env["DFLASH_REDIS_URL"] = url
+        log(f"case 8: starting {n_gpus} simulated servers and GPU workers on {len(nodes)} nodes")
+        t = time.monotonic()
+        urls = [u for c in clusters for u in c.start_servers(cfg.many_gpus_per_node, sim_args)]
+        for c in clusters:
+            c.start_workers()
+        first.start_beat()
+        startup_s = time.monotonic() - t
+        r = redis.Redis.from_url(url)
+        k = JobKeys("many")
+        pids = {f"{kind}-{c.node}-{n}": p.pid for c in clusters for n, p in c.named.items()
+                for kind in [n.rstrip("0123456789")]}
+        rss_idle = {n: rss_bytes(p) for n, p in pids.items()}
+        log(f"case 8: {cfg.many_prompts:,} prompts over {n_gpus} GPUs (started in {startup_s:.0f} s)")
+        with measure.ServerPoller(urls, interval=1.0) as poller:
+            meter = measure.CpuMeter(pids).start()
+            commands0 = r.info("stats")["total_commands_processed"]
+            first.manage("enqueue", "--dataset", str(dataset), "--job", "many", "--gpus", "all",
+                         "--max-output-tokens", str(cfg.max_tokens), capture=True)
+            ideal = measure.ideal_makespan(unit_times, [cfg.many_slots] * n_gpus, [1.0] * n_gpus)
+            wait_until(lambda: int(r.hget(k.counters, "completed") or 0) >= cfg.many_prompts / 2,
+                       timeout=4 * ideal + 300, interval=0.5, what="half of case 8's prompts")
+            probe = json.loads(subprocess.run(
+                [sys.executable, "-m", "benchmarks.probe", "--job", "many", "--repeat", "5"],
+                cwd=ROOT, env=first.env, check=True, capture_output=True, text=True).stdout)
+            rss_busy = {n: rss_bytes(p) for n, p in pids.items()}
+            wait_until(lambda: sum(int(r.hget(k.counters, f) or 0) for f in ("completed", "failed"))
+                       >= cfg.many_prompts, timeout=4 * ideal + 300, interval=0.5,
+                       what="case 8's run")
+            commands = r.info("stats")["total_commands_processed"] - commands0
+            meter.stop()
+        counters = {key.decode(): int(v) for key, v in r.hgetall(k.counters).items()}
+    fig = measure.figures(poller.series)
+    completed = counters.get("completed", 0)
+    memory: dict[str, dict] = {}
+    for name, busy in rss_busy.items():
+        kind = name.split("-")[0]
+        m = memory.setdefault(kind, {"processes": 0, "total": 0, "largest": 0, "idle_total": 0})
+        m["processes"] += 1
+        m["total"] += busy
+        m["largest"] = max(m["largest"], busy)
+        m["idle_total"] += rss_idle.get(name, 0)
+    cpu: dict[str, float] = {}
+    for name, used in meter.used.items():
+        kind = name.split("-")[0]
+        cpu[kind] = cpu.get(kind, 0.0) + used
+    return {"nodes": len(nodes), "gpus": n_gpus, "slots": cfg.many_slots, "prompts": cfg.many_prompts,
+            "startup_s": startup_s, "ideal_s": ideal, "longest_s": max(unit_times),
+            "dynamic_ref": measure.dynamic_makespan(unit_times, [cfg.many_slots] * n_gpus,
+                                                    [1.0] * n_gpus) / ideal,
+            "ours": {**asdict(fig), "ratio": fig.makespan / ideal, "completed": completed,
+                     "failed": counters.get("failed", 0)},
+            "redis_commands_per_completion": commands / max(1, completed),
+            "cpu_ms_per_completion": {kind: 1000 * v / max(1, completed) for kind, v in cpu.items()},
+            "cpu_s": cpu, "wall_s": meter.wall, "memory": memory, **probe}
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="Small sizes, for trying the harness.")
-    ap.add_argument("--cases", default="1,2,4,5", help="Which cases (3 comes with 1 and 2).")
+    ap.add_argument("--cases", default="1,2,4,5,6,7,8", help="Which cases (3 comes with 1 and 2).")
     ap.add_argument("--decode-tps", type=float, help="Per-request decode speed of cases 1-3.")
     ap.add_argument("--prompts", type=int, help="Prompts in cases 1-3.")
     ap.add_argument("--concurrency", type=int, help="GPU workers' threads [manage.py worker's].")
@@ -327,12 +582,27 @@ def main() -> None:
             if cases & {"2", "3"}:
                 slow = [1.0] * (cfg.servers - 1) + [cfg.slow_factor]
                 results["case2"] = makespan_case(cfg, work, "case2", dataset, unit, slow)
+        if "7" in cases:
+            # The end game decides a short run: the same as case 2 with ~19 prompts per slot.
+            end = replace(cfg, prompts=cfg.endgame_prompts)
+            dataset = data.cached_dataset(end.prompts, CACHE, seed=19)
+            unit = measure.unit_service_times(dataset, end.max_tokens, end.decode_tps)
+            slow = [1.0] * (end.servers - 1) + [end.slow_factor]
+            results["case7"] = makespan_case(end, work, "case7", dataset, unit, slow)
+        if "8" in cases:
+            dataset = data.cached_dataset(cfg.many_prompts, CACHE, seed=23)
+            unit = measure.unit_service_times(dataset, cfg.max_tokens, cfg.many_decode_tps)
+            results["case8"] = many_gpus_case(cfg, work, dataset, unit)
         if "4" in cases:
             small = data.cached_dataset(cfg.overhead_prompts, CACHE, seed=13)
             results["noop"] = noop_case(cfg, work)
             results["case4"] = overhead_case(cfg, work, small)
+            results["case4_flower"] = overhead_case(cfg, work, small, flower=True)
         if "5" in cases:
             results["case5"] = scale_case(cfg, work)
+        if "6" in cases:
+            outage = data.cached_dataset(cfg.outage_prompts, CACHE, seed=17)
+            results["case6"] = outage_case(cfg, work, outage)
     finally:
         results["bench_wall_s"] = time.monotonic() - started
         (work / "results.json").write_text(json.dumps(results, indent=1))

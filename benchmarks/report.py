@@ -37,12 +37,23 @@ def render(res: dict) -> str:
             rows.append(("3", f"slot occupancy until the pending work runs out ({label})",
                          "≥ 0.98", f"{c['ours']['occupancy']:.4f}", f"{c['baseline']['occupancy']:.4f}",
                          c["ours"]["occupancy"] >= 0.98))
+    c7 = res.get("case7")
+    if c7:
+        rows.append(("7", f"end game: makespan / ideal, {c7['ours']['requests']:,} prompts"
+                          f" (~{c7['ours']['requests'] / (cfg['servers'] * cfg['slots']):.0f} per"
+                          f" slot), one server {cfg['slow_factor']:g}x slower", "≤ 1.10",
+                     f"{c7['ours']['ratio']:.3f}", f"{c7['baseline']['ratio']:.3f}",
+                     c7["ours"]["ratio"] <= 1.10))
     c4, noop = res.get("case4"), res.get("noop")
     if c4:
         rows.append(("4", f"completions/s end to end, servers answering at once ({cfg['servers']} GPU"
                           f" workers; baseline: one worker draining no-op Celery tasks)", "≥ 400/s",
                      f"{c4['rate']:,.0f}/s", f"{noop['rate']:,.0f}/s" if noop else "—",
                      c4["rate"] >= 400))
+    c4f = res.get("case4_flower")
+    if c4f:
+        rows.append(("4", "the same with Flower on (every worker sending task events)", "—",
+                     f"{c4f['rate']:,.0f}/s", "—", None))
     c5 = res.get("case5")
     if c5:
         n = c5["prompts"]
@@ -58,27 +69,53 @@ def render(res: dict) -> str:
             ("5", f"resume: enqueue again with {c5['done_before_resume']:,} done", "≤ 30 s",
              f"{c5['resume_s']:.1f} s", "—", c5["resume_s"] <= 30),
         ]
+    c6 = res.get("case6")
+    if c6:
+        growth = c6["memory_peak_during"] - c6["memory_before"]
+        one_batch = c6["batch_rows"] * c6["mean_row_bytes"]
+        rows += [
+            ("6", f"S3 down {c6['outage_s']:.0f} s mid-run ({c6['rows_during_outage']:,} rows"
+                  " finished meanwhile): Redis used_memory growth over the outage",
+             "≤ one batch of rows", f"{growth / 2**20:+.1f} MiB",
+             f"{c6['rows_during_outage'] * c6['mean_row_bytes'] / 2**20:.0f} MiB of rows",
+             growth <= one_batch),
+            ("6", "every row in S3 exactly once after the outage", "0 doubled, 0 missing",
+             f"{c6['ids_doubled']} doubled, {c6['ids_missing']} missing", "—",
+             c6["ids_doubled"] == 0 and c6["ids_missing"] == 0 and c6["ids_unknown"] == 0),
+        ]
     for num, case, goal, ours, base, ok in rows:
         lines.append(f"| {num} | {case} | {goal} | {ours} | {base} | {_mark(ok)} |")
 
     lines += ["", "## How each figure was measured", ""]
-    if c1 or c2:
-        md = res["makespan_dataset"]
-        lines += [
+    if c1 or c2 or c7:
+        md = res.get("makespan_dataset")
+        lines += [] if not md else [
             f"- **Cases 1-3.** {cfg['servers']} simulated servers x {cfg['slots']} decode slots,"
             f" decode speed {cfg['decode_tps']:g} tokens/s per request (time-compressed: a real"
             f" Qwen3-8B slot decodes ~100 tokens/s), max_tokens {cfg['max_tokens']}, the real run's"
             f" length distribution (median 1,800, 18% over 4,096). Mean service"
             f" {md['mean_service_s']:.2f} s, so a full system serves {md['offered_rate']:.0f}"
             f" requests/s; the project and the baseline run *at the same time* on separate servers"
-            f" (about {2 * md['offered_rate']:.0f} requests/s on the machine), each sees the same noise."
-            " (Four runs of 16,000 requests in the ten minutes of `make bench` need about 110"
-            " requests/s on average, so each system gets a little under 100/s and the two share the"
-            " machine.)",
+            f" (about {2 * md['offered_rate']:.0f} requests/s on the machine), each sees the same noise.",
             "- Ideal = max(total service time / total slot capacity, longest request), priced from the"
             " simulated model for exactly these prompts; with a slow server the capacity counts its"
             " slots at 1/slow-factor. Makespan = first request any server received to the last"
             " answer, from the servers' own /sim/stats.",
+        ]
+        if c7:
+            fig, base = c7["ours"], c7["baseline"]
+            capacity = cfg["slots"] * (cfg["servers"] - 1 + 1 / cfg["slow_factor"])
+            lines.append(
+                f"- **Case 7, the end game.** Case 2's servers and length distribution with"
+                f" {fig['requests']:,} prompts, about"
+                f" {fig['requests'] / (cfg['servers'] * cfg['slots']):.0f} per slot, so the end of"
+                f" the run weighs: token work / aggregate capacity {c7['work_s'] / capacity:.1f} s,"
+                f" the longest request on a fast server {c7['longest_s']:.1f} s; ideal = the larger."
+                f" The last request got a slot at"
+                f" {100 * (fig['drain_start'] - fig['first_request']) / fig['makespan']:.0f}% of the"
+                f" run ({100 * (base['drain_start'] - base['first_request']) / base['makespan']:.0f}%"
+                " for the baseline).")
+        lines += [
             "- Occupancy = busy slot-seconds / (slots x time) from the first request to the moment"
             " the last request got a slot (after it no prompt waits anywhere: not in Redis, a queue"
             " or a server), read from the servers' own busy-slot counters (polled every 0.25 s,"
@@ -88,7 +125,7 @@ def render(res: dict) -> str:
             " completed / failed | CPU s (by process kind) |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
-        for c in (c1, c2):
+        for c in (c1, c2, c7):
             if not c:
                 continue
             cpu = c["cpu_s"]
@@ -122,8 +159,14 @@ def render(res: dict) -> str:
             f" completions, from the ledger's counter: {c4['rate']:,.0f}/s"
             f" ({c4['rate_incl_startup']:,.0f}/s from the enqueue command to the last completion;"
             f" all {c4['batches']} batches sealed {c4['sealed_after_s']:.1f} s after the enqueue)."
-            f" CPU ms per completion: {cpu}.",
+            f" CPU ms per completion: {cpu}. Workers send no task events (Flower off);"
+            " Celery's per-task log lines are at DEBUG.",
         ]
+        if c4f:
+            cpu_f = ", ".join(f"{k} {v:.2f}" for k, v in sorted(c4f["cpu_ms_per_completion"].items()))
+            lines.append(f"- The same with Flower running (it turns every worker's task events on):"
+                         f" {c4f['rate']:,.0f}/s; CPU ms per completion: {cpu_f}.")
+        lines += _profile_lines(c4)
         if noop:
             lines.append(
                 f"- Baseline of case 4: one Celery worker (threads, -c 40, acks late, prefetch 1, no"
@@ -144,22 +187,46 @@ def render(res: dict) -> str:
             f" {c5['used_memory_after_resume'] / GB:.3f} GB.",
             "",
         ]
+    if c6:
+        lines += [
+            f"- **Case 6.** {c6['prompts']:,} prompts, every answer {cfg['outage_tokens']} tokens"
+            f" (rows of {c6['mean_row_bytes'] / 1024:.1f} KiB on average), {cfg['servers']} servers x"
+            f" {cfg['slots']} slots, shipped to moto's S3 server through a TCP proxy, deployed batch"
+            f" size ({c6['batch_rows']:,} rows). After a first batch went up the proxy was cut for"
+            f" {c6['outage_s']:.0f} s: {c6['rows_during_outage']:,} rows finished meanwhile and"
+            f" {c6['spooled_batches_at_restore']} sealed batches waited in beat's spool. Redis"
+            f" used_memory (sampled every 0.5 s): {c6['memory_before'] / 2**20:.1f} MiB before the"
+            f" cut, peak {c6['memory_peak_during'] / 2**20:.1f} MiB during it (second half"
+            f" {c6['memory_peak_second_half'] / 2**20:.1f} MiB), {c6['memory_end_of_outage'] / 2**20:.1f}"
+            f" MiB at its end; every 10 s from the cut: {_every_10s(c6)} MiB. The goal is growth within one batch of rows"
+            f" ({c6['batch_rows'] * c6['mean_row_bytes'] / 2**20:.1f} MiB), the most the output"
+            " stream holds before a batch is sealed. Once S3 answered, every batch was in S3"
+            f" {c6['shipped_after_restore_s']:.0f} s later: {c6['batches']} batches,"
+            f" {c6['rows_shipped']:,} rows, read back through the manifest (each batch's sha256"
+            " checked), every prompt's id once.",
+            "",
+        ]
     lines += _gaps(res)
     return "\n".join(lines) + "\n"
 
 
-# Measured with `py-spy record --gil` on one GPU worker during case 4 (servers answering at once,
-# after the changes in benchmarks/README.md), 2026-12-02: where its CPU goes, per completion.
-WORKER_PROFILE = [
-    ("Celery events for Flower (task-received/started/succeeded, worker heartbeats)", 29),
-    ("kombu receiving a message (BRPOP, the unacknowledged record, decoding)", 25),
-    ("kombu acknowledging it (MULTI ZREM + HDEL)", 17),
-    ("Celery's pool, event loop and tracing", 10),
-    ("two INFO log lines per task (received, succeeded)", 7),
-    ("the ledger: task_state, complete.lua, take.lua (refill and publish)", 5),
-    ("the result backend (SETEX + PUBLISH of the small summary)", 4),
-    ("the HTTP request to the simulated server (httpx)", 4),
-]
+def _every_10s(c6: dict) -> str:
+    out, next_t = [], 0.0
+    for t, m in c6["memory_series"]:
+        if 0 <= t <= c6["outage_s"] and t >= next_t:
+            out.append(f"{m / 2**20:.0f}")
+            next_t += 10
+    return ", ".join(out)
+
+
+def _profile_lines(c4: dict) -> list[str]:
+    prof = c4.get("worker_profile")
+    if not prof:
+        return ["- No profile of a GPU worker in this run (py-spy missing or it failed)."]
+    out = [f"- Where GPU worker 0's CPU went during case 4 (py-spy, {prof['samples']:,} samples of"
+           " the threads holding the GIL, in this run; benchmarks/profile.py counts each sample"
+           " for the first of these parts its stack passes through):"]
+    return out + [f"  - {100 * share:.0f}% {what}" for what, share in prof["parts"].items()]
 
 
 def _gaps(res: dict) -> list[str]:
@@ -183,10 +250,8 @@ def _gaps(res: dict) -> list[str]:
             f" {1000 * c['cpu_s'].get('worker', 0) / max(1, c['ours']['completed']):.1f} CPU ms"
             " per completion at these payload sizes (below): when it is not scheduled for longer"
             " than the server's queued requests last (the worker keeps a quarter more requests"
-            " than slots in flight, about 0.4 s at this rate), slots idle. On a quiet machine the"
-            " same case gives occupancy above 0.99. What would move it: less worker CPU per"
-            " completion (case 4's profile), or a slower time compression (a lower decode speed)"
-            " at the price of a longer benchmark.")
+            " than slots in flight, about 0.4 s at this rate), slots idle. What would move it: less worker CPU per completion (case 4's profile), or a slower"
+            " time compression (a lower decode speed) at the price of a longer benchmark.")
     c4 = res.get("case4")
     if c4 and c4["rate"] < 400:
         missing = True
@@ -198,17 +263,7 @@ def _gaps(res: dict) -> list[str]:
             f" {total:.2f} CPU ms across the processes ({', '.join(f'{k} {v:.2f}' for k, v in sorted(cpu.items()))}),"
             f" and two cores give at most {2000 / total:,.0f}/s; a plain Celery worker costs"
             f" {noop.get('worker_cpu_ms_per_task', 0):.2f} ms per no-op task. Where a GPU worker's"
-            " CPU goes (py-spy):")
-        out += [f"  - {share}% {what}" for what, share in WORKER_PROFILE]
-        out.append(
-            "  The project's own work (ledger, result, HTTP) is about an eighth of it; the rest is"
-            " Celery's per-task machinery, and 40 points of it are what the no-op worker skips"
-            " (events, the stored result, log lines). What would move it (estimated from the"
-            " profile, not measured here): workers without `-E` where Flower is not used (-29%),"
-            " the per-task log lines at WARNING (-7%), no stored result (-4%): about 2.4 ms per"
-            " completion in the worker, 3.7 ms in all, over 500/s on two cores. At the real run's"
-            " 9.4 completions/s, with real payloads (case 1), the pipeline needs about a tenth of"
-            " one core.")
+            " CPU goes is the profile above.")
     if not missing:
         out.append("Every goal was met in this run.")
     return out + [""]
