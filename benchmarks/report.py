@@ -8,19 +8,10 @@ def _mark(ok: bool | None) -> str:
     return "—" if ok is None else ("met" if ok else "**not met**")
 
 
-def render(res: dict) -> str:
+def table(res: dict) -> list[str]:
+    """The table of goals: one row per figure, in RESULTS.md and the README."""
     cfg = res["config"]
-    lines = [
-        "# Benchmark results",
-        "",
-        f"`make bench` ({'--quick, small sizes: not the real figures' if res.get('quick') else 'full sizes'}),"
-        f" {res['date']}, on {res['machine']}; the whole run took {res['bench_wall_s'] / 60:.1f} min.",
-        "The machine is shared (other test suites ran at the same time), so every figure is a ratio or"
-        " sits beside its baseline, measured in the same run.",
-        "",
-        "| # | case | goal | this project | baseline | goal |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines = ["| # | case | goal | this project | baseline | goal |", "|---|---|---|---|---|---|"]
     rows = []
     c1, c2 = res.get("case1"), res.get("case2")
     if c1:
@@ -83,9 +74,36 @@ def render(res: dict) -> str:
              f"{c6['ids_doubled']} doubled, {c6['ids_missing']} missing", "—",
              c6["ids_doubled"] == 0 and c6["ids_missing"] == 0 and c6["ids_unknown"] == 0),
         ]
+    c8 = res.get("case8")
+    if c8:
+        o = c8["ours"]
+        rows += [
+            ("8", f"makespan / ideal, {c8['gpus']} GPUs on {c8['nodes']} nodes x {c8['slots']} slots,"
+                  f" {c8['prompts']:,} prompts", "≤ 1.05", f"{o['ratio']:.3f}",
+             f"{c8['dynamic_ref']:.3f} (zero-overhead dispatcher, computed)", o["ratio"] <= 1.05),
+            ("8", f"slot occupancy until the pending work runs out ({c8['gpus']} GPUs)", "≥ 0.98",
+             f"{o['occupancy']:.4f}", "—", o["occupancy"] >= 0.98),
+        ]
     for num, case, goal, ours, base, ok in rows:
         lines.append(f"| {num} | {case} | {goal} | {ours} | {base} | {_mark(ok)} |")
+    return lines
 
+
+def render(res: dict) -> str:
+    lines = [
+        "# Benchmark results",
+        "",
+        f"`make bench` ({'--quick, small sizes: not the real figures' if res.get('quick') else 'full sizes'}),"
+        f" {res['date']}, on {res['machine']}; the whole run took {res['bench_wall_s'] / 60:.1f} min.",
+        "The machine is shared (other test suites ran at the same time), so every figure is a ratio or"
+        " sits beside its baseline, measured in the same run.",
+        "",
+    ]
+    lines += table(res)
+    cfg = res["config"]
+    c1, c2, c4, c4f, noop, c5, c6, c7, c8 = (
+        res.get(k) for k in ("case1", "case2", "case4", "case4_flower", "noop", "case5", "case6",
+                             "case7", "case8"))
     lines += ["", "## How each figure was measured", ""]
     if c1 or c2 or c7:
         md = res.get("makespan_dataset")
@@ -206,6 +224,28 @@ def render(res: dict) -> str:
             " checked), every prompt's id once.",
             "",
         ]
+    if c8:
+        o = c8["ours"]
+        cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(c8["cpu_ms_per_completion"].items()))
+        mem = "; ".join(f"{k}: {m['processes']} x {m['total'] / m['processes'] / 2**20:.0f} MiB"
+                        f" (largest {m['largest'] / 2**20:.0f}), {m['total'] / 2**30:.2f} GiB in all"
+                        for k, m in sorted(c8["memory"].items()))
+        total = sum(m["total"] for m in c8["memory"].values())
+        lines += [
+            f"- **Case 8.** {c8['nodes']} simulated nodes (a LocalCluster each: GPUs named"
+            f" gpuI@nodeN, a worker per GPU), {c8['gpus']} simulated servers x {c8['slots']} slots at"
+            f" {cfg['many_decode_tps']:g} tokens/s per request, one Redis and one beat,"
+            f" {c8['prompts']:,} prompts of case 1's length distribution (max_tokens"
+            f" {cfg['max_tokens']}). Starting the deployment took {c8['startup_s']:.0f} s. Makespan"
+            f" {o['makespan']:.1f} s against the ideal {c8['ideal_s']:.1f} s (the longest request"
+            f" alone {c8['longest_s']:.1f} s); {o['completed']:,} completed, {o['failed']} failed."
+            f" Redis commands per completion: {c8['redis_commands_per_completion']:.1f}. CPU ms per"
+            f" completion: {cpu} ({sum(c8['cpu_s'].values()) / c8['wall_s']:.2f} of the 2 cores for"
+            f" the deployment's processes). Beat's whole tick for the job, measured at half-way:"
+            f" {c8['tick_ms']:.1f} ms (`status --json` {c8['status_ms']:.1f} ms). Resident memory"
+            f" at half-way: {mem}; {total / 2**30:.2f} GiB for the whole deployment.",
+            "",
+        ]
     lines += _gaps(res)
     return "\n".join(lines) + "\n"
 
@@ -267,3 +307,31 @@ def _gaps(res: dict) -> list[str]:
     if not missing:
         out.append("Every goal was met in this run.")
     return out + [""]
+
+
+README_BEGIN = "<!-- make bench writes from here to the end marker (benchmarks/report.py); not by hand -->"
+README_END = "<!-- end of what make bench writes -->"
+
+
+def readme_section(res: dict) -> str:
+    """The README's figures: this run's table, where a worker's CPU went, the goals not met."""
+    lines = [README_BEGIN,
+             f"Run of {res['date']}, {res['bench_wall_s'] / 60:.0f} minutes, on {res['machine']}"
+             " (shared with other work, so each figure sits beside its baseline or is a ratio):", ""]
+    lines += table(res) + [""]
+    if res.get("case4"):
+        lines += _profile_lines(res["case4"]) + [""]
+    lines += [line.replace("## Where a goal is not met", "**Where a goal is not met.**")
+              for line in _gaps(res)]
+    return "\n".join(lines).rstrip() + "\n" + README_END
+
+
+def write_readme(readme, res: dict) -> bool:
+    """Replace the README's bench section with this run's; False when the markers are missing."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_BEGIN, 1)
+    tail = rest.split(README_END, 1)[1]
+    readme.write_text(head + readme_section(res) + tail)
+    return True
