@@ -79,7 +79,7 @@ redis_backend_health_check_interval = 25
 # through the ledger, and a message redelivered later is skipped as done.
 worker_cancel_long_running_tasks_on_connection_loss = False
 
-# Results are small summaries kept an hour: enough for Flower and debugging, bounded in memory.
+# Stored results (training runs'; a prompt's task stores none) are kept an hour: bounded in memory.
 result_expires = 3600
 
 # Prompt tasks go to their GPU's queue explicitly; everything else (beat) to `control`, so

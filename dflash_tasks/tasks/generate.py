@@ -75,7 +75,10 @@ def durable(what: str, fn: Callable[..., T], *args, **kwargs) -> T:
             delay = min(delay * 2, 10.0)
 
 
-@app.task(name=GENERATE_TASK, bind=True, max_retries=None, throws=(PromptFailed,))
+# No stored result: the ledger holds every outcome (rows, counters, the failed registry), and
+# Flower sees each task's result in its events; storing it cost a GPU worker about a tenth of its
+# CPU at hundreds of completions a second (benchmarks/RESULTS.md, case 4).
+@app.task(name=GENERATE_TASK, bind=True, max_retries=None, throws=(PromptFailed,), ignore_result=True)
 def generate(self, job: str, prompt_id: str, gpu: str, tries: int = 0) -> dict:
     try:
         return _generate(self, job, prompt_id, gpu, tries)
@@ -169,7 +172,7 @@ def _refill(job: str, gpu: str) -> None:
     if runtime().shutdown.requested():
         return  # the next worker (or beat's maintain) refills; this one takes nothing new
     try:
-        topup(app, runtime().book, runtime().settings, job, gpu)
+        topup(app, runtime().book, runtime().settings, job, gpu, runtime().concurrency)
     except Exception as exc:  # Redis away: beat's maintain tops the window up within 10 s
         log.warning("%s: could not top up job %s's window (%s)", gpu, job, exc)
 
