@@ -51,6 +51,7 @@ def queued(r: redis.Redis, queue: str) -> list[tuple[str, str, int]]:
     for raw in reversed(r.lrange(queue, 0, -1)):  # BRPOP takes from the tail
         payload = json.loads(raw)
         assert payload["headers"]["task"] == "dflash_tasks.generate"
+        assert payload["headers"]["ignore_result"] is True  # no stored result (the task's own say)
         assert payload["properties"]["delivery_info"]["routing_key"] == queue
         body = Channel.decode_body(None, payload["body"], payload["properties"].get("body_encoding"))
         args, kwargs, embed = json.loads(body)

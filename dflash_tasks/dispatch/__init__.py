@@ -84,7 +84,7 @@ def publish(app: Celery, job: str, gpu: str, prompt_ids: list[str]) -> None:
     with app.producer_or_acquire() as producer:
         for prompt_id in prompt_ids:
             app.send_task(GENERATE_TASK, args=(job, prompt_id, gpu), queue=queue_for(gpu),
-                          producer=producer)
+                          producer=producer, ignore_result=True)  # the message's word wins
 
 
 def topup(app: Celery, book: Ledger, s: Settings, job: str, gpu: str,

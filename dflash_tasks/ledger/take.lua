@@ -9,7 +9,8 @@
 -- The messages are LPUSHed exactly where kombu's Redis transport would put them, so a refill
 -- costs one round trip instead of a take plus a publish (and a task-sent event) per id. They
 -- are Celery protocol 2 with a plain JSON body (no body_encoding: kombu then reads the body as
--- it is); their task ids and delivery tags are unique per job (a per-job counter, hashed).
+-- it is); their task ids and delivery tags are unique per job (a per-job counter, hashed). They
+-- say ignore_result, as the task does: Celery takes the message's word over the task's.
 -- The queues are the only keys outside the job's hash slot: Celery's Redis broker does not run
 -- on a Redis Cluster anyway. A GPU's queue bears its name (keys.py's queue_for), and its
 -- in-flight set is inflight_prefix .. its name.
@@ -185,7 +186,7 @@ for i, id in ipairs(ids) do
       group = null, group_index = null, retries = 0, timelimit = {null, null},
       root_id = task_id, parent_id = null,
       argsrepr = "('" .. job .. "', '" .. id .. "', '" .. gpu .. "')", kwargsrepr = '{}',
-      origin = origin, ignore_result = false, replaced_task_nesting = 0,
+      origin = origin, ignore_result = true, replaced_task_nesting = 0,
       stamped_headers = null, stamps = {}},
     ['properties'] = {
       correlation_id = task_id, reply_to = reply_to, delivery_mode = 2,
