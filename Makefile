@@ -34,7 +34,8 @@ test-sglang: install
 demo: install
 	$(PY) -m dflash_dev.demo
 
-# The performance benchmark (about ten minutes): prints the table and writes benchmarks/RESULTS.md.
+# The performance benchmark (about half an hour on 2 cores): prints the table and writes
+# benchmarks/RESULTS.md, and the README's Performance section after a full run.
 bench: install
 	$(PY) -m benchmarks
 

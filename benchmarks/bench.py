@@ -152,6 +152,9 @@ def makespan_case(cfg: Config, work: Path, name: str, dataset: Path, unit_times:
                      "completed": baseline["completed"], "failed": baseline["failed"],
                      "client_cpu_s": baseline.get("cpu_s", 0.0)},
         "cpu_s": meter.grouped(), "machine_cpu_s": machine,
+        # Each of our servers' last answer after the run's first request, and its slowness.
+        "server_ends": [(s.final["last_finished_at"] - ours_fig.first_request, f)
+                        for s, f in zip(poller.series[:n], slow) if s.final["last_finished_at"]],
     }
 
 
