@@ -94,3 +94,22 @@ def test_the_comparison_finds_a_missing_or_retyped_field():
     assert differences(sample, {"a": {"b": 2.5, "c": [{"d": "y", "z": 1}]}, "e": 3}) == []
     assert differences(sample, {"a": {"c": [{"d": 1}]}, "e": None}) == [
         "$.a.b: missing (the real server sends int)", "$.a.c[].d: int, the real server sends str"]
+
+
+def captured(endpoint: str) -> dict:
+    """misc.txt's answer to `endpoint`, cut to its top-level fields before `embedding` (the
+    capture kept only the line's first 558 characters)."""
+    lines = (SAMPLES / "misc.txt").read_text().splitlines()
+    body = lines[lines.index(f"== {endpoint}") + 1]
+    return json.loads(body[:body.index(',"embedding":')] + "}")
+
+
+def test_model_info_and_server_info_carry_the_thinking_contract(sim):
+    """The worker reads the reasoning parser and what selects the chat template from these
+    (sglang.ServerContract); the real /model_info has reasoning_parser at its top level."""
+    for path in ("/model_info", "/get_model_info"):
+        sample = captured(path)
+        assert "reasoning_parser" in sample
+        assert not differences(sample, httpx.get(sim + path, timeout=10).json())
+    info = httpx.get(sim + "/server_info", timeout=10).json()
+    assert {"chat_template", "tokenizer_path", "revision", "reasoning_parser"} <= set(info)

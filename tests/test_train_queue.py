@@ -306,7 +306,8 @@ def test_the_default_command_hands_specforge_the_tokenized_export(cluster, tmp_p
     assert [ck["name"] for ck in done["checkpoints"]] == [f"{run}-a1-step5"]  # not the -latest link
 
     # Conversations, asked for: the thinking job gets SpecForge's qwen3-thinking template and
-    # train_only_last_turn; a job mixing modes is refused, with the reason, before training.
+    # train_only_last_turn; a job mixing modes is refused by the gate (one thinking mode per
+    # run, whatever the format), with the reason, before training.
     conv = write_text(tmp_path / "conv.toml",
                       GATE + command + 'format = "specforge-conversations"\n')
     thinking = wait_run(c, queue_run(c, "--job", "sf", "--trainer", "command", "--config",
@@ -318,7 +319,8 @@ def test_the_default_command_hands_specforge_the_tokenized_export(cluster, tmp_p
     mixed = wait_run(c, queue_run(c, "--job", "mixed", "--trainer", "command", "--config",
                                   str(conv)), ("done", "failed", "refused"))
     assert mixed["status"] == "refused", mixed
-    assert "mixes thinking modes (20 rows with thinking, 20 without)" in mixed["error"]
+    assert "enable_thinking differs across the rows" in mixed["error"]
+    assert "True in 20 rows" in mixed["error"] and "False in 20 rows" in mixed["error"]
     assert not (Path(mixed["run_dir"]) / "checkpoints").exists()
 
 

@@ -69,7 +69,7 @@ def generate_rows(url: str, conversations: dict[str, list[dict]] = CONVERSATIONS
                     c = client.chat(messages, max_tokens=cap, enable_thinking=thinking)
                     prompt = [{"role": m["role"], "content": m["content"]} for m in messages]
                     rows.append(build_row(f"{name}-{thinking}-{cap}", prompt, c, job="t", gpu=0,
-                                          params=params, attempts=1))
+                                          params=params, attempts=1, server=client.contract()))
     finally:
         client.close()
     return rows

@@ -41,6 +41,10 @@ _POSITIVE = click.FloatRange(min=0.0, min_open=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the fault draws.")
 @click.option("--slow-factor", type=_POSITIVE, default=1.0, show_default=True,
               help="Multiplies every service time (a slower GPU).")
+@click.option("--reasoning-parser", default="qwen3", show_default=True,
+              help='SGLang\'s --reasoning-parser; "none": off (the reasoning stays in content).')
+@click.option("--chat-template", default=None,
+              help="SGLang's --chat-template, as /server_info reports it (the rendering stays Qwen3's).")
 def sim_server(**options) -> None:
     """Serve SGLang 0.5.23's HTTP API from a simulated GPU: fixed decode slots, deterministic
     output lengths, injectable faults. Control endpoints: /sim/stats, /sim/faults, /sim/down."""
@@ -51,4 +55,6 @@ def sim_server(**options) -> None:
     if options["fail_503"] + options["reset_rate"] + options["hang_rate"] > 1.0:
         raise click.BadParameter("the fault probabilities add up to more than 1",
                                  param_hint="--fail-503/--reset-rate/--hang-rate")
+    if options["reasoning_parser"] == "none":
+        options["reasoning_parser"] = None
     run(SimConfig(**options))

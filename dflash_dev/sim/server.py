@@ -79,6 +79,11 @@ class SimConfig:
     hang_seconds: float = 3600.0
     seed: int = 0
     slow_factor: float = 1.0
+    # SGLang's --reasoning-parser (None: off, the reasoning stays in `content`) and
+    # --chat-template (None: the tokenizer's own); both answered in /server_info and /model_info.
+    # The rendering stays Qwen3's whatever the template is called: only its name changes.
+    reasoning_parser: str | None = "qwen3"
+    chat_template: str | None = None
 
 
 class BadRequest(Exception):
@@ -477,7 +482,8 @@ class SimServer:
         rid = rid if isinstance(rid, str) and rid else os.urandom(16).hex()
         gen = Generation(rid, plan, 0, budget, self._cached_tokens(plan.key, len(prompt_ids)))
         params = {"prompt_ids": prompt_ids if data.get("return_token_ids") else None,
-                  "separate": data.get("separate_reasoning", True) is not False,
+                  "separate": data.get("separate_reasoning", True) is not False
+                  and config.reasoning_parser is not None,
                   "thinking": thinking}
         return gen, params
 
@@ -606,7 +612,8 @@ class SimServer:
         name = self.config.model_name
         return {"model_path": name, "served_model_name": name, "tokenizer_path": name,
                 "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
-                "load_format": "auto", "reasoning_parser": "qwen3", "tool_call_parser": None,
+                "load_format": "auto", "reasoning_parser": self.config.reasoning_parser,
+                "tool_call_parser": None,
                 "disaggregation_mode": "null", "has_image_understanding": False,
                 "has_audio_understanding": False, "model_type": "qwen3",
                 "architectures": ["Qwen3ForCausalLM"]}
@@ -620,7 +627,8 @@ class SimServer:
             "model_path": c.model_name, "tokenizer_path": c.model_name, "served_model_name": c.model_name,
             "host": c.host, "port": self.port, "context_length": c.context_length,
             "max_running_requests": c.slots, "max_queued_requests": c.max_queued or None,
-            "max_total_tokens": self.max_total_num_tokens, "reasoning_parser": "qwen3",
+            "max_total_tokens": self.max_total_num_tokens, "revision": None,
+            "chat_template": c.chat_template, "reasoning_parser": c.reasoning_parser,
             "enable_metrics": True, "tp_size": 1, "dp_size": 1, "random_seed": c.seed,
             "status": "ready" if time.time() >= self.up_at else "starting",
             "internal_states": [{"last_gen_throughput": self._gen_throughput(),

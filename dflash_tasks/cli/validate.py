@@ -38,6 +38,7 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
     if lt["p50"] is not None:
         t.add_row("loss tokens", f"min {lt['min']:,}  p10 {lt['p10']:,}  p50 {lt['p50']:,}  "
                                  f"p90 {lt['p90']:,}  max {lt['max']:,}")
+    if lt["most_common"] is not None:  # None when no row finished (all truncated)
         t.add_row("most common", f"{lt['most_common']:,} tokens in {lt['most_common_pct']}% of "
                                  f"finished rows ({lt['most_common_rows']:,}; limit "
                                  f"{100 * th.max_spike_share:g}%)")
@@ -60,6 +61,13 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
         t.add_row("template check", f"{tc['compared']:,} rows rendered by --tokenizer: prompt "
                                     f"differs in {tc['prompt_mismatch']:,}, tokens or mask in "
                                     f"{tc['response_mismatch']:,}")
+    mode = figures["thinking_mode"]
+    t.add_row("thinking mode", ", ".join(
+        f"{f} " + (" / ".join(f"{v} ({n:,})" for v, n in mode["values"][f].items()) or "not recorded")
+        for f in ("enable_thinking", "chat_template", "reasoning_parser")))
+    if mode["unrecorded_rows"]:
+        t.add_row("", "[yellow]kept rows without a record (older rows, accepted): "
+                  + ", ".join(f"{f} {n:,}" for f, n in sorted(mode["unrecorded_rows"].items())) + "[/]")
     dropped = figures["dropped"]
     t.add_row("export keeps", f"{figures['kept']:,} rows; drops "
               + (", ".join(f"{k} {v:,}" for k, v in sorted(dropped.items())) or "none"))
@@ -103,6 +111,8 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
 @click.option("--max-prompt-mismatch-share", type=_SHARE, default=0.0, show_default=True,
               help="With --tokenizer: fail when its template renders other prompts than the "
                    "server's for more rows than this.")
+@click.option("--min-kept-rows", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Fail when the rules keep fewer rows than this (what the trainer would read).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def validate(name: str, source: str | None, tokenizer: Path | None, min_loss_tokens: int,
              max_length: int, keep_truncated: bool, sample: int, compare_rows: int,

@@ -5,13 +5,18 @@
 
 `status` is "success" only for a generation that ended by itself; a truncated one says
 "truncated" (finish_reason "length"), so it is never trained on as a finished answer by mistake.
+
+Its thinking mode is three facts, all recorded: `enable_thinking` (the job's, sent with the
+request), and what the server decided: `chat_template` (the fingerprint of the template that
+rendered the prompt) and `reasoning_parser` (what split the reasoning from the answer). The
+training gate refuses to mix rows that differ in any of them (training/data/thinking.py).
 """
 from __future__ import annotations
 
 import time
 
 from dflash_tasks.core.jobs import GenerationParams
-from dflash_tasks.sglang import Completion
+from dflash_tasks.sglang import Completion, ServerContract
 
 
 def status_for(finish_reason: str) -> str:
@@ -19,7 +24,7 @@ def status_for(finish_reason: str) -> str:
 
 
 def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, gpu: str,
-              params: GenerationParams, attempts: int) -> dict:
+              params: GenerationParams, attempts: int, server: ServerContract) -> dict:
     row = {
         "id": prompt_id,
         "conversations": [*messages, {"role": "assistant", "content": c.content,
@@ -33,6 +38,8 @@ def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, 
             "reasoning_tokens": c.reasoning_tokens,
             "max_tokens": params.max_tokens,
             "enable_thinking": params.enable_thinking,
+            "chat_template": server.chat_template,
+            "reasoning_parser": server.reasoning_parser,
             "temperature": params.temperature,
             "top_p": params.top_p,
             "top_k": params.top_k,

@@ -1,5 +1,5 @@
 """The SGLang HTTP client and its error hierarchy."""
-from dflash_tasks.sglang.client import Completion, Generation, SGLangClient
+from dflash_tasks.sglang.client import Completion, Generation, ServerContract, SGLangClient
 from dflash_tasks.sglang.errors import (
            PERMANENT_REASONS,
            REASONS,
@@ -16,7 +16,7 @@ from dflash_tasks.sglang.errors import (
            TransientError,
 )
 
-__all__ = ["Completion", "Generation", "SGLangClient", "SGLangError", "TransientError", "PermanentError",
+__all__ = ["Completion", "Generation", "SGLangClient", "ServerContract", "SGLangError", "TransientError", "PermanentError",
            "ServerUnavailable", "RequestTimeout", "BadResponse", "InvalidRequest", "ModelNotFound",
            "EmptyResponse", "RequestAborted", "REASONS", "TRANSIENT_REASONS",
            "PERMANENT_REASONS"]

@@ -1,10 +1,12 @@
-"""One SGLang server, over HTTP: chat completions, health, model name, server info.
+"""One SGLang server, over HTTP: chat completions, health, model name, server info and the
+thinking contract it holds (its chat template and reasoning parser).
 
 One client per worker process, shared by its threads (httpx.Client is thread-safe), so
 connections are reused; every failure surfaces as an `errors.SGLangError` subclass.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -52,6 +54,27 @@ class Generation:
     matched_stop: Any = None
 
 
+# The /server_info fields (SGLang's server arguments) that decide which chat template renders a
+# prompt: --chat-template (null: the tokenizer's own) and the tokenizer it comes from.
+TEMPLATE_FIELDS = ("chat_template", "tokenizer_path", "revision")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerContract:
+    """What the server, not the request, decides about a thinking-mode row: which chat template
+    rendered the prompt (a fingerprint) and which reasoning parser split the reasoning from the
+    answer (None: none, so the reasoning stays in `content`)."""
+    chat_template: str
+    reasoning_parser: str | None
+
+    @classmethod
+    def from_server_info(cls, info: dict) -> ServerContract:
+        identity = json.dumps({k: info.get(k) for k in TEMPLATE_FIELDS}, sort_keys=True)
+        parser = info.get("reasoning_parser")
+        return cls("sha256:" + hashlib.sha256(identity.encode()).hexdigest()[:16],
+                   str(parser) if parser else None)
+
+
 @dataclass
 class SGLangClient:
     base_url: str
@@ -63,6 +86,7 @@ class SGLangClient:
     max_connections: int = 256
     _http: httpx.Client = field(init=False, repr=False)
     _model: str | None = field(default=None, init=False, repr=False)
+    _contract: ServerContract | None = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +146,18 @@ class SGLangClient:
 
     def server_info(self) -> dict:
         return self._get_json("/server_info")
+
+    def contract(self) -> ServerContract:
+        """The server's chat template fingerprint and reasoning parser, from /server_info (its
+        launch arguments). Cached, like the model name: a server keeps its arguments for life."""
+        with self._lock:
+            if self._contract is None:
+                info = self.server_info()
+                if not isinstance(info, dict):
+                    raise BadResponse(f"/server_info is not an object: {str(info)[:200]}",
+                                      url=self.base_url)
+                self._contract = ServerContract.from_server_info(info)
+            return self._contract
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -252,4 +288,4 @@ def parse_chat(data: Any, *, latency_s: float, url: str = "") -> Completion:
                           url=url) from exc
 
 
-__all__ = ["Completion", "SGLangClient", "SGLangError", "parse_chat"]
+__all__ = ["Completion", "SGLangClient", "ServerContract", "SGLangError", "parse_chat"]

@@ -129,6 +129,7 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
     # never collides with the first; `abort` uses the exact rid.
     rid = f"{job}:{prompt_id}:{attempt}:{uuid.uuid4().hex[:12]}"
     try:
+        server = client.contract()  # learnt at the worker's start (hooks.py), then cached
         with shutdown.tracked(rid, lambda: client.abort(rid)):
             # regenerate --continue: only the missing tokens; unless the cap was lowered since
             # to what the output already has, and it is generated anew at the job's cap
@@ -160,7 +161,7 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
         _fail(job, prompt_id, gpu, exc, attempt)
     circuit.record_success()
     row = build_row(prompt_id, state.messages, completion, job=job, gpu=gpu, params=params,
-                    attempts=attempt)
+                    attempts=attempt, server=server)
     recorded = durable("recording the row",
                        lambda: book.complete(job, prompt_id, gpu, row))
     return {"id": prompt_id, "finish_reason": completion.finish_reason,

@@ -1,6 +1,7 @@
 """A worker's life as Celery signals it, however it was launched (`manage.py worker` or plain
 `celery -A dflash_tasks worker -Q gpu3@node-a`), connected explicitly by `connect`: refuse a
 Redis that persists nothing, wait until its SGLang server is healthy before taking work,
+learn the server's thinking contract (chat template, reasoning parser: every row records them),
 register its concurrency (the dispatch window is sized from it), start its reports, fill its
 queue; on a reconnect, put back what no task holds; on a stop, hand its prompts back (the
 runtime's shutdown) and remove its heartbeat."""
@@ -20,7 +21,7 @@ from dflash_tasks.core import jobs
 from dflash_tasks.core.connections import PersistenceError, check_persistence
 from dflash_tasks.core.keys import WORKERS, gpu_order, parse_gpu, queue_for
 from dflash_tasks.core.settings import redact_url
-from dflash_tasks.sglang import SGLangClient
+from dflash_tasks.sglang import SGLangClient, SGLangError
 from dflash_tasks.worker.breaker import publish_closed
 from dflash_tasks.worker.runtime import runtime
 
@@ -58,7 +59,26 @@ def _wait_for_servers(sender, instance, conf, **_):
                 next_warning = waited + HEALTH_WARN_EVERY_S
             time.sleep(2.0)
         client.close()
+        _learn_contract(gpu, url)
         _register(gpu, instance.concurrency, sender, url)
+
+
+def _learn_contract(gpu: str, url: str) -> None:
+    """Ask the server once for what every row of this GPU records besides the request: its chat
+    template's fingerprint and its reasoning parser (the process's client caches them). A server
+    without a reasoning parser leaves the reasoning inside `content`: say so now, not after a
+    day of generation."""
+    try:
+        contract = runtime().client(gpu).contract()
+    except SGLangError as exc:  # the first task asks again
+        log.warning("%s: could not read %s/server_info (%s); the first task asks again", gpu,
+                    redact_url(url), exc)
+        return
+    log.info("%s: chat template %s, reasoning parser %s", gpu, contract.chat_template,
+             contract.reasoning_parser or "none")
+    if contract.reasoning_parser is None:
+        log.warning("%s: %s runs without --reasoning-parser: thinking-mode rows will have their "
+                    "reasoning inside content", gpu, redact_url(url))
 
 
 def _register(gpu: str, concurrency: int, hostname: str, url: str) -> None:

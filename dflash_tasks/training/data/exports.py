@@ -73,7 +73,14 @@ def checked_rows(storage: Storage, job: str, report: Report, *, template: ChatTe
         if on_duplicate:
             on_duplicate(row)
 
-    for row in NewestRows(storage, job, records=records, on_batch=on_batch, on_duplicate=duplicate,
+    batch: list[str | None] = [None]  # the batch being read, named where modes conflict
+
+    def reading(rec: dict) -> None:
+        batch[0] = rec.get("name")
+        if on_batch:
+            on_batch(rec)
+
+    for row in NewestRows(storage, job, records=records, on_batch=reading, on_duplicate=duplicate,
                           limit=limit):
         try:
             tok = tokenize_row(row, template)
@@ -95,7 +102,10 @@ def checked_rows(storage: Storage, job: str, report: Report, *, template: ChatTe
                         and len(report.mismatch_examples) < 5:
                     report.mismatch_examples.append(row.get("id"))
         check = check_row(row, tok, report.rules)
-        yield Checked(row, tok, report.add(check, tok))
+        reason = report.add(check, tok)
+        if reason is None:  # one mode among the rows trained on; a dropped row teaches nothing
+            report.modes.add(row, batch[0])
+        yield Checked(row, tok, reason)
 
 
 def validate_job(storage: Storage, job: str, rules: Rules, thresholds: Thresholds, *,

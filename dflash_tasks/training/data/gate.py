@@ -14,7 +14,8 @@ Per row (`check_row`), the known ways drafter data goes wrong, each a flag:
 - `untokenized`: no server ids and no tokenizer to render it (tokenized formats only).
 
 Over a dataset (`Report`), the distribution of loss-mask sums with its most common value (a
-spike at one value is the signature of near-empty responses), and the shares of each flag.
+spike at one value is the signature of near-empty responses), the shares of each flag, the
+rows the rules keep, and the rows' thinking modes (thinking.py: one mode per run).
 `Thresholds.failures` turns the report into the list of crossed limits; `manage.py validate`
 exits non-zero when it is not empty.
 """
@@ -24,6 +25,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from dflash_tasks.ledger.histogram import nearest_rank
+from dflash_tasks.training.data.thinking import ModeCensus
 from dflash_tasks.training.data.tokens import Tokenized, is_truncated, row_thinking
 
 THINK_MARKERS = ("<think>", "</think>")
@@ -51,7 +53,8 @@ LOSS_BUCKETS = (0, 1, 8, 32, 128, 512, 2048, 8192)  # lower edges, for the print
 
 @dataclass(frozen=True)
 class Rules:
-    """What a row must be to be trained on (the export's filter, the dataset's filter)."""
+    """What a row must be to be trained on: the gate's, the export's and the trainers' filter. A
+    training run reads its rules from one place, its config's [rules] (queue/spec.run_rules)."""
     min_loss_tokens: int = 32
     max_length: int = 16384
     keep_truncated: bool = False
@@ -136,6 +139,7 @@ class Report:
     response_mismatch: int = 0
     mismatch_examples: list = field(default_factory=list)
     tokenize_errors: list = field(default_factory=list)
+    modes: ModeCensus = field(default_factory=ModeCensus)
 
     def add(self, check: RowCheck, tok: Tokenized | None = None) -> str | None:
         """Count one row; returns its drop reason under the rules (None: kept)."""
@@ -156,6 +160,9 @@ class Report:
         if reason:
             self.dropped[reason] += 1
         return reason
+
+    def kept(self) -> int:
+        return self.rows - sum(v for k, v in self.dropped.items() if k != "duplicate")
 
     def add_duplicate(self) -> None:
         self.duplicates += 1
@@ -215,8 +222,9 @@ class Report:
                                 "examples": self.mismatch_examples[:5]}
                                if self.compared else None),
             "dropped": dict(self.dropped),
-            "kept": self.rows - sum(v for k, v in self.dropped.items() if k != "duplicate"),
+            "kept": self.kept(),
             "rules": asdict(self.rules),
+            "thinking_mode": self.modes.figures(),
         }
 
 
@@ -233,6 +241,7 @@ class Thresholds:
     max_over_length_share: float = 0.05
     max_prompt_mismatch_share: float = 0.0
     min_rows: int = 1
+    min_kept_rows: int = 1            # rows the rules keep: what the trainer will read
 
     def failures(self, report: Report) -> list[str]:
         f = report.figures()
@@ -240,6 +249,14 @@ class Thresholds:
         rules = report.rules
         if report.rows < self.min_rows:
             return [f"only {report.rows} rows (at least {self.min_rows} required): nothing to train on"]
+        out.extend(report.modes.conflicts())
+        if report.kept() < self.min_kept_rows:
+            dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(report.dropped.items())
+                                if k != "duplicate") or "none"
+            out.append(f"too few rows kept: the rules keep {report.kept():,} of {report.rows:,} "
+                       f"rows (at least {self.min_kept_rows:,} needed); dropped: {dropped} "
+                       f"(rules: min_loss_tokens {rules.min_loss_tokens}, max_length "
+                       f"{rules.max_length:,}, keep_truncated {str(rules.keep_truncated).lower()})")
         tokenized = f["tokenized_rows"]
         if not tokenized:
             out.append("no row could be tokenized: the rows carry no server token ids "

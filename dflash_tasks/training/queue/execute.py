@@ -141,15 +141,11 @@ class RunSession:
         """The quality gate over what the job shipped; a failure refuses the run."""
         from dflash_tasks.training.data.exports import validate_job
 
-        gate = dict(self.run.spec.get("gate") or {})
-        if self.run.trainer == "reference":  # the gate judges the rows the trainer will read
-            config = TrainConfig.model_validate(self.run.spec.get("reference") or {})
-            gate.setdefault("min_loss_tokens", config.min_loss_tokens)
-            gate.setdefault("max_length", config.max_length)
-        elif "max_length" in (self.run.spec.get("command") or {}).get("values", {}):
-            # SpecForge cuts what is longer than data.max_length: the export drops it instead.
-            gate.setdefault("max_length", self.run.spec["command"]["values"]["max_length"])
-        rules, thresholds = spec.gate_settings(gate)
+        # the run's one set of rules ([rules]): the trainer and the export read the same rows
+        rules = spec.run_rules(self.run.spec)
+        _, thresholds = spec.gate_settings(
+            {k: v for k, v in (self.run.spec.get("gate") or {}).items()
+             if k not in spec.RULE_FIELDS})
         self.say(f"quality gate over job {self.run.job}'s shipped rows ...")
         try:
             report, failures = validate_job(self._job_storage(), self.run.job, rules, thresholds,
@@ -160,7 +156,10 @@ class RunSession:
         verdict = {"passed": not failures, "failures": failures, "rows": figures.get("rows", 0),
                    "kept": figures.get("kept"), "dropped": figures.get("dropped", {}),
                    "loss_tokens": {k: v for k, v in figures.get("loss_tokens", {}).items()
-                                   if k != "distribution"}}
+                                   if k != "distribution"},
+                   # the mode the drafter learns: train-eval holds an evaluation to it
+                   # (training.data.thinking.thinking_mode_mismatch(verdict, settings))
+                   "thinking_mode": figures.get("thinking_mode"), "rules": figures.get("rules")}
         self._record(gate=verdict)
         if failures:
             for f in failures:

@@ -1,9 +1,14 @@
 """A training run's spec: what `manage.py train --config FILE` says, checked before anything is
 queued, and stored in the run (the training node does not need the file).
 
-    [gate]        # the quality gate that must pass first: `manage.py validate`'s rules and limits
+    [rules]       # which rows the run trains on: the gate, the trainer and the export read these
     min_loss_tokens = 32
+    max_length = 4096
+    keep_truncated = false
+
+    [gate]        # the quality gate that must pass first: `manage.py validate`'s limits
     max_short_share = 0.05
+    min_kept_rows = 1000
 
     [reference]   # --trainer reference: dflash_tasks.training.reference.TrainConfig
     target_model = "/models/Qwen3-8B"
@@ -27,8 +32,9 @@ the environment variables a spec may set; the node checks a spec again before it
 """
 from __future__ import annotations
 
+import json
 import string
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -66,8 +72,14 @@ COMMAND_DEFAULTS = {"nproc": 1, "block_size": 16,
 # Filled in by the training task for each run.
 RUN_PLACEHOLDERS = ("data_path", "data_dir", "output_dir", "run_dir", "job", "run", "config_path")
 
-SECTIONS = ("gate", "reference", "command")
+SECTIONS = ("rules", "gate", "reference", "command")
 _GATE_FIELDS = {f.name for f in fields(Rules)} | {f.name for f in fields(Thresholds)}
+# [rules]: a Rules field each (require_tokens follows from the format); where a config written
+# before [rules] set the same field, and the trainer's default when none does.
+RULE_FIELDS = ("min_loss_tokens", "max_length", "keep_truncated")
+RULE_TYPES = {"min_loss_tokens": (int, 0), "max_length": (int, 2), "keep_truncated": (bool, None)}
+RULES_ALSO_IN = {"reference": ("min_loss_tokens", "max_length", "keep_truncated"),
+                 "command": ("max_length", "keep_truncated")}
 
 
 class SpecError(ValueError):
@@ -163,24 +175,80 @@ def gate_settings(section: dict, where: str = "[gate]") -> tuple[Rules, Threshol
         raise SpecError(f"{where}: {exc}") from None
 
 
+def resolve_rules(config: dict, trainer: str, source: str = "--config") -> dict:
+    """The run's row rules, from [rules]. A field that [gate] or the trainer's section also sets
+    (a config written before [rules]) counts when it says the same, and is an error when it says
+    otherwise: the gate and the trainer must keep the same rows. Unset, the trainer's default."""
+    section = "reference" if trainer == "reference" else "command"
+    unknown = sorted(set(config.get("rules") or {}) - set(RULE_FIELDS))
+    if unknown:
+        raise SpecError(f"{source} [rules]: unknown field {unknown[0]!r} (fields: "
+                        f"{', '.join(RULE_FIELDS)})")
+    defaults = {**asdict(Rules()), "max_length": COMMAND_DEFAULTS["max_length"]}
+    if trainer == "reference":
+        defaults.update({f: TrainConfig.model_fields[f].default for f in RULE_FIELDS})
+    rules = {}
+    for name in RULE_FIELDS:
+        said = {s: (config.get(s) or {})[name] for s in ("rules", "gate", section)
+                if name in (config.get(s) or {}) and (s != section or name in RULES_ALSO_IN[s])}
+        for where, value in said.items():
+            _check_rule(name, value, f"{source} [{where}]")
+        if len({json.dumps(v) for v in said.values()}) > 1:
+            places = ", ".join(f"[{where}] {name} = {json.dumps(v)}" for where, v in said.items())
+            raise SpecError(f"{source}: {places} disagree: the gate and the trainer would keep "
+                            f"different rows; set it once, in [rules]")
+        rules[name] = next(iter(said.values())) if said else defaults[name]
+    return rules
+
+
+def _check_rule(name: str, value, where: str) -> None:
+    kind, least = RULE_TYPES[name]
+    if kind is bool and not isinstance(value, bool):
+        raise SpecError(f"{where} {name}: true or false, not {value!r}")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+        raise SpecError(f"{where} {name}: an integer >= {least}, not {value!r}")
+
+
+def run_rules(run_spec: dict) -> Rules:
+    """The rules of a queued run, which its gate, its trainer and its export all apply. A spec
+    queued before [rules] existed has none: its rules are what its gate used then."""
+    if "rules" in run_spec:
+        return Rules(**run_spec["rules"])
+    gate = dict(run_spec.get("gate") or {})
+    if run_spec.get("trainer") == "reference":
+        config = TrainConfig.model_validate(run_spec.get("reference") or {})
+        gate.setdefault("min_loss_tokens", config.min_loss_tokens)
+        gate.setdefault("max_length", config.max_length)
+    elif "max_length" in (run_spec.get("command") or {}).get("values", {}):
+        gate.setdefault("max_length", run_spec["command"]["values"]["max_length"])
+    return gate_settings(gate)[0]
+
+
 def build(config: dict, trainer: str, template: str | None, source: str = "--config",
           commands: NodeCommands | None = None) -> dict:
     """The run's spec, checked: the reference trainer's config validates; the command trainer's
     template is one of `commands` (the built-in ones by default), its placeholders all have
     values, its env is allowed."""
     commands = commands or node_commands(None)
-    spec = {"trainer": trainer, "gate": config["gate"], "reference": {}, "command": {}}
     gate_settings(config["gate"], f"{source} [gate]")
+    if trainer == "command":
+        _check_keep_truncated(config["command"], source)
+    rules = resolve_rules(config, trainer, source)
+    # Every reader gets the same rules: the gate from "rules", the trainer from its own section.
+    spec = {"trainer": trainer, "rules": rules, "reference": {}, "command": {},
+            "gate": {k: v for k, v in config["gate"].items() if k not in RULE_FIELDS}}
     if trainer == "reference":
+        reference = {**config["reference"], **rules}
         try:
-            TrainConfig.model_validate(config["reference"])
+            TrainConfig.model_validate(reference)
         except ValidationError as exc:
             err = exc.errors()[0]
             loc = ".".join(str(p) for p in err["loc"]) or "(section)"
             raise SpecError(f"{source} [reference] {loc}: {err['msg']}") from None
-        spec["reference"] = config["reference"]
+        spec["reference"] = reference
     else:
-        section = dict(config["command"])
+        section = {**config["command"], "max_length": rules["max_length"],
+                   "keep_truncated": rules["keep_truncated"]}
         name = template or section.pop("template", None) or DEFAULT_TEMPLATE
         section.pop("template", None)
         if "specforge_bin" in section:
@@ -193,7 +261,6 @@ def build(config: dict, trainer: str, template: str | None, source: str = "--con
                             f"{', '.join(FILES)}")
         if values["format"] == "specforge-conversations":
             _check_template(values["chat_template"], source)
-        _check_keep_truncated(values, source)
         check_command(name, values, commands, source)
         if "{config_path}" in commands.template(name):
             _check_run_config(values, source)

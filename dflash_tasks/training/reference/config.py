@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from dflash_tasks.training.data.gate import Rules
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -40,9 +42,11 @@ class TrainConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0)
     grad_clip: float | None = Field(1.0, gt=0)  # None: no clipping
 
-    # data: the job's rows through the quality gate's rules
+    # data: the job's rows through the quality gate's rules (`rules()`; a queued run writes its
+    # [rules] here, so the gate and this trainer keep the same rows)
     max_length: int = Field(4096, ge=2)
     min_loss_tokens: int = Field(32, ge=0)
+    keep_truncated: bool = False
     batch_size: int = Field(1, ge=1)
     shuffle_buffer: int = Field(256, ge=1)
 
@@ -81,6 +85,11 @@ class TrainConfig(BaseModel):
             return self.tokenizer
         target = Path(self.target_model)
         return self.target_model if any((target / f).is_file() for f in TOKENIZER_FILES) else None
+
+    def rules(self) -> Rules:
+        """The rows this trainer reads: the quality gate's rules with these values."""
+        return Rules(min_loss_tokens=self.min_loss_tokens, max_length=self.max_length,
+                     keep_truncated=self.keep_truncated)
 
     def decay(self) -> float | None:
         """gamma, or None when the decay is off."""

@@ -11,7 +11,6 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from dflash_tasks.output.storage import Storage
-from dflash_tasks.training.data.gate import Rules
 from dflash_tasks.training.data.tokens import ChatTemplate
 from dflash_tasks.training.reference.config import TrainConfig
 from dflash_tasks.training.torch_dataset import JobDataset
@@ -39,8 +38,7 @@ def job_dataset(config: TrainConfig, job: str, source: str | Path | Storage,
                 template: ChatTemplate | None, follow: bool,
                 should_stop: Callable[[], bool] | None = None) -> JobDataset:
     # rank 0 of 1 whatever RANK/WORLD_SIZE say: this trainer is one process and reads every batch
-    return JobDataset(job, source, rules=Rules(min_loss_tokens=config.min_loss_tokens,
-                                               max_length=config.max_length),
+    return JobDataset(job, source, rules=config.rules(),
                       tokenizer=template, follow=follow, poll_s=config.poll_s,
                       rank=0, world_size=1, should_stop=should_stop)
 
