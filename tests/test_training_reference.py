@@ -117,14 +117,14 @@ def test_block_mask_labels_and_weights_match_hand_built_ones():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0]])
 
     drawn = [sample_anchors(loss_mask, 2, torch.Generator().manual_seed(s)) for s in range(30)]
-    assert {tuple(a[0].tolist()) for a, _ in drawn} == \
-        {(2, 3), (2, 4), (2, 5), (3, 4), (3, 5), (4, 5)}  # sorted, distinct, supervised
-    for anchors, keep in drawn:
-        assert anchors[1].tolist() == [3, 0] and keep[1].tolist() == [True, False]
+    # sorted, distinct, supervised and followed by a supervised token (5 is the last: not one)
+    assert {tuple(a[0].tolist()) for a, _ in drawn} == {(2, 3), (2, 4), (3, 4)}
+    for anchors, keep in drawn:  # sequence 1 has no such position: no anchor
+        assert anchors[1].tolist() == [0, 0] and keep[1].tolist() == [False, False]
     again = sample_anchors(loss_mask, 2, torch.Generator().manual_seed(7))
     assert torch.equal(again[0], drawn[7][0])  # the generator alone decides
     # position 0 has no context, so it is never an anchor, even when supervised
-    assert sample_anchors(torch.tensor([[1, 0, 0]]), 2, torch.Generator())[0].tolist() == [[0, 0]]
+    assert sample_anchors(torch.tensor([[1, 1, 0]]), 2, torch.Generator())[1].tolist() == [[False]]
 
     anchors, keep = torch.tensor([[2, 4], [3, 0]]), torch.tensor([[True, True], [True, False]])
     # keys: context positions 0..5 | block 0 (3 tokens) | block 1 (3 tokens)

@@ -1,6 +1,7 @@
 """A readable reference trainer for a DFlash drafter (z-lab, "Block Diffusion for Flash
-Speculative Decoding"; SpecForge's specforge/core/dflash.py trains the same objective), reading
-a job's rows straight from its shipped batches.
+Speculative Decoding"; SpecForge 0.2.0's algorithms/common/dflash_family_model.py trains the same
+objective; tests/test_dflash_vs_specforge.py compares the two), reading a
+job's rows straight from its shipped batches.
 
 The drafter predicts a whole block of tokens in one forward pass. At inference it is handed the
 last accepted token (the anchor) followed by block_size - 1 mask tokens, and, as context, the

@@ -20,18 +20,32 @@ IGNORE = -100  # label of a position with no loss (F.cross_entropy's ignore_inde
 
 def sample_anchors(loss_mask: torch.Tensor, n: int,
                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(anchors [batch, n], keep [batch, n]): per sequence, n distinct positions sorted, drawn
-    from the supervised positions a >= 1 (a block needs some context before its anchor). With
-    fewer candidates than n, all of them, and the missing blocks are marked keep=False (their
-    anchor is 0 and they get no loss), so every sequence has the same number of blocks."""
-    mask = loss_mask.detach().cpu()  # the generator is a CPU one: the same draws on any device
-    anchors = torch.zeros(mask.shape[0], n, dtype=torch.long)
-    keep = torch.zeros(mask.shape[0], n, dtype=torch.bool)
-    for row in range(mask.shape[0]):
-        candidates = torch.nonzero(mask[row, 1:]).flatten() + 1
-        chosen = candidates[torch.randperm(len(candidates), generator=generator)[:n]].sort().values
-        anchors[row, :len(chosen)] = chosen
-        keep[row, :len(chosen)] = True
+    """(anchors [batch, width], keep [batch, width]): per sequence, up to n distinct positions
+    sorted, drawn uniformly among the candidates: a >= 1 (a block needs some context before its
+    anchor) with loss_mask[a] and loss_mask[a + 1] both 1 (block position 1, the one that
+    decides whether anything is accepted, has a label). width = min(n, the most candidates of a
+    sequence), at least 1; a sequence with fewer candidates has its missing blocks marked
+    keep=False (anchor 0, no loss).
+
+    The draw is SpecForge 0.2.0's (`OnlineDFlashModel._sample_anchor_positions`: one uniform
+    number per candidate, the `width` smallest win), from `generator` instead of the global
+    random state: seeded alike, both pick the same anchors (tests/test_dflash_vs_specforge.py)."""
+    batch = loss_mask.shape[0]
+    if loss_mask.shape[1] < 3:  # no a >= 1 with a + 1 inside the sequence
+        return (torch.zeros(batch, 1, dtype=torch.long, device=loss_mask.device),
+                torch.zeros(batch, 1, dtype=torch.bool, device=loss_mask.device))
+    mask = loss_mask.detach().cpu() > 0  # the generator is a CPU one: the same draws on any device
+    valid = mask[:, :-1] & mask[:, 1:]  # [batch, seq - 1]: candidate a is column a
+    valid[:, 0] = False
+    counts = valid.sum(dim=1)
+    width = max(1, min(n, int(counts.max())))
+    draws = torch.rand(valid.shape, generator=generator).masked_fill_(~valid, 2.0)
+    chosen = draws.argsort(dim=1)[:, :width]
+    keep = torch.arange(width) < counts.clamp(max=width)[:, None]
+    sentinel = valid.shape[1]  # past every candidate: sorts the missing blocks last
+    anchors = torch.where(keep, chosen, sentinel).sort(dim=1).values
+    keep = anchors < sentinel
+    anchors = torch.where(keep, anchors, 0)
     return anchors.to(loss_mask.device), keep.to(loss_mask.device)
 
 
@@ -50,7 +64,7 @@ def block_attention_mask(anchors: torch.Tensor, keep: torch.Tensor, attention_ma
     """Bool [batch, n * block_size, seq + n * block_size] over keys [context | all blocks]:
     a query of block j sees the context positions t < anchor_j that are not padding, and all of
     its own block (bidirectional: the block is filled in one pass), nothing of other blocks. A
-    block with keep=False sees only itself, so that no row is all False (SDPA gives NaN)."""
+    block with keep=False sees only itself, so that no row is all False (SDPA can give NaN)."""
     batch, n = anchors.shape
     seq = attention_mask.shape[1]
     t = torch.arange(seq, device=anchors.device)

@@ -35,7 +35,7 @@ def greedy_acceptance(target: nn.Module, drafter: Drafter, input_ids: Sequence[i
     For an anchor a, the target continues x[0..a] greedily; the drafter, given the target's
     hidden states of x[0..a-1] and the anchor token x[a], predicts the block in one pass.
     `anchors`: positions (1 <= a < len), or a count drawn at random (with `seed`) among the
-    positions >= 1 (those with loss_mask 1, when given)."""
+    positions sample_anchors draws (1 <= a < len - 1; loss_mask 1 at a and a + 1, when given)."""
     device = target.get_input_embeddings().weight.device
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).flatten()
     seq, block_size = len(ids), drafter.spec.block_size
