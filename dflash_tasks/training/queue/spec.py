@@ -18,7 +18,13 @@ queued, and stored in the run (the training node does not need the file).
     [command.specforge.training]         # any SpecForge config field, merged last
     batch_size = 4
 
-JSON with the same three objects works too. Paths are paths on the training node.
+    [smoke]       # optional, reference trainer: the overfit gate, run before training
+    rows = 4
+    steps = 200
+    [eval]        # optional, reference trainer: tau on held-out prompts after every checkpoint
+    prompts = "/data/heldout.jsonl"
+
+JSON with the same objects works too. Paths are paths on the training node.
 
 The spec travels through Redis, and whoever can write there could write a spec: so a spec names
 its command line and never carries one. The command lines are the training node's own
@@ -35,7 +41,12 @@ from pydantic import ValidationError
 
 from dflash_tasks.training.data.exports import FILES
 from dflash_tasks.training.data.gate import Rules, Thresholds
-from dflash_tasks.training.reference.config import TrainConfig, read_table
+from dflash_tasks.training.reference.config import (
+    EvalConfig,
+    SmokeConfig,
+    TrainConfig,
+    read_table,
+)
 
 # The command lines every training node runs, by name. `specforge`: SpecForge 0.2.0's one public
 # entry point, on a run config the run writes from [command] (training/queue/specforge.py): the
@@ -66,7 +77,7 @@ COMMAND_DEFAULTS = {"nproc": 1, "block_size": 16,
 # Filled in by the training task for each run.
 RUN_PLACEHOLDERS = ("data_path", "data_dir", "output_dir", "run_dir", "job", "run", "config_path")
 
-SECTIONS = ("gate", "reference", "command")
+SECTIONS = ("gate", "reference", "command", "smoke", "eval")
 _GATE_FIELDS = {f.name for f in fields(Rules)} | {f.name for f in fields(Thresholds)}
 
 
@@ -172,13 +183,21 @@ def build(config: dict, trainer: str, template: str | None, source: str = "--con
     spec = {"trainer": trainer, "gate": config["gate"], "reference": {}, "command": {}}
     gate_settings(config["gate"], f"{source} [gate]")
     if trainer == "reference":
-        try:
-            TrainConfig.model_validate(config["reference"])
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"]) or "(section)"
-            raise SpecError(f"{source} [reference] {loc}: {err['msg']}") from None
+        reference = _validated(TrainConfig, config["reference"], source, "reference")
         spec["reference"] = config["reference"]
+        for section, model in (("smoke", SmokeConfig), ("eval", EvalConfig)):
+            if config.get(section):
+                _validated(model, config[section], source, section)
+                spec[section] = config[section]
+        if "smoke" in spec:
+            threshold = SmokeConfig.model_validate(spec["smoke"]).threshold(reference.block_size)
+            if threshold > reference.block_size:
+                raise SpecError(f"{source} [smoke] min_tau: {threshold:g} is more than a block "
+                                f"of {reference.block_size} can yield (tau <= block_size)")
+    elif config.get("smoke") or config.get("eval"):
+        which = "smoke" if config.get("smoke") else "eval"
+        raise SpecError(f"{source} [{which}]: the smoke gate and train-eval measure the "
+                        "reference trainer's drafter; --trainer command runs none of them")
     else:
         section = dict(config["command"])
         name = template or section.pop("template", None) or DEFAULT_TEMPLATE
@@ -199,6 +218,15 @@ def build(config: dict, trainer: str, template: str | None, source: str = "--con
             _check_run_config(values, source)
         spec["command"] = {"template": name, "values": values}
     return spec
+
+
+def _validated(model, section: dict, source: str, name: str):
+    try:
+        return model.model_validate(section)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "(section)"
+        raise SpecError(f"{source} [{name}] {loc}: {err['msg']}") from None
 
 
 def check_command(name: str, values: dict, commands: NodeCommands, source: str) -> str:
