@@ -252,4 +252,64 @@ def test_train_eval_of_a_run_checks_the_thinking_mode_of_its_rows(tmp_path, chec
     report = json.loads(out.read_text())
     assert report["enable_thinking"] is True and report["step"] == 40  # the rows' mode
     status = manage("train-status", "--run", run.name, env=env)
-    assert f"eval step_00000040" in status.stdout and f"tau {report['tau']:.2f}" in status.stdout
+    assert "eval step_00000040" in status.stdout and f"tau {report['tau']:.2f}" in status.stdout
+
+
+# -- through the queue ---------------------------------------------------------------------------------
+
+
+def test_the_training_worker_runs_the_smoke_gate_first_and_evaluates_every_checkpoint(
+        cluster, tmp_path, target_dir, data):
+    from test_train_queue import queue_run, run_status, wait_run
+
+    c = cluster()
+    write_batches(c.output_dir, JOB, [json.loads(line) for line in _rows(data)], per_batch=2)
+    # a job from another deployment, done: the trainer reads its rows epoch after epoch
+    # instead of following it for more
+    (c.output_dir / JOB / "progress.json").write_text(json.dumps({"job": JOB, "status": "done"}))
+    c.start_train_worker()
+    prompts = write_prompts(tmp_path / "heldout.jsonl")
+    train_steps = "max_steps = 20\ncheckpoint_every = 10\nlog_every = 10\n"
+
+    # a gate no drafter passes in one step: the run fails before it trains, saying why
+    failing = write_config(tmp_path / "fail.toml", target_dir,
+                           train_steps + "[smoke]\nrows = 2\nsteps = 1\nmin_tau = 4\n")
+    run = queue_run(c, "--job", JOB, "--config", str(failing))
+    failed = wait_run(c, run, ("done", "failed", "refused", "cancelled"), timeout=300)
+    assert failed["status"] == "failed" and failed["error"].startswith("the smoke gate failed: tau")
+    assert failed["smoke"]["passed"] is False and failed["smoke"]["steps"] == 1
+    assert not failed.get("checkpoints") and not (Path(failed["run_dir"]) / "checkpoints").exists()
+    assert "smoke gate FAILED" in c.manage("train-status", "--run", run).stdout
+
+    passing = write_config(tmp_path / "pass.toml", target_dir, train_steps + f"""
+[smoke]
+rows = 4
+steps = {SMOKE_STEPS}
+[eval]
+prompts = "{prompts}"
+max_prompts = 2
+max_new_tokens = 16
+""")
+    run = queue_run(c, "--job", JOB, "--config", str(passing))
+    done = wait_run(c, run, ("done", "failed", "refused", "cancelled"), timeout=600)
+    assert done["status"] == "done", done
+    assert done["smoke"]["passed"] and done["smoke"]["tau"] >= 0.8 * BLOCK
+    evals = done["evals"]
+    assert [Path(e["checkpoint"]).name for e in evals] == ["step_00000010", "step_00000020"]
+    for e in evals:
+        assert 1 <= e["tau"] <= BLOCK and e["prompts"] == 2 and e["enable_thinking"] is True
+        assert (Path(e["checkpoint"]) / "eval.json").is_file()
+    detail = c.manage("train-status", "--run", run).stdout
+    assert "smoke gate" in detail and "passed: tau" in detail
+    assert "eval step_00000020" in detail and f"tau {evals[-1]['tau']:.2f}" in detail
+    assert run_status(c, run)["status"] == "done"
+
+
+def _rows(root: Path) -> list[str]:
+    """The data fixture's rows, as JSON lines, to ship again into the cluster's storage."""
+    from dflash_tasks.output.batches import read_batch, read_manifest
+    from dflash_tasks.output.storage import LocalStorage
+
+    storage = LocalStorage(root)
+    return [json.dumps(r) for rec in read_manifest(storage, JOB)["batches"]
+            for r in read_batch(storage, rec)]

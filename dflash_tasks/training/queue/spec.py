@@ -18,7 +18,8 @@ queued, and stored in the run (the training node does not need the file).
     [command.specforge.training]         # any SpecForge config field, merged last
     batch_size = 4
 
-    [smoke]       # optional, reference trainer: the overfit gate, run before training
+    [smoke]       # optional, reference trainer (the command trainer ignores it, as [reference]):
+                  # the overfit gate, run before training
     rows = 4
     steps = 200
     [eval]        # optional, reference trainer: tau on held-out prompts after every checkpoint
@@ -194,10 +195,6 @@ def build(config: dict, trainer: str, template: str | None, source: str = "--con
             if threshold > reference.block_size:
                 raise SpecError(f"{source} [smoke] min_tau: {threshold:g} is more than a block "
                                 f"of {reference.block_size} can yield (tau <= block_size)")
-    elif config.get("smoke") or config.get("eval"):
-        which = "smoke" if config.get("smoke") else "eval"
-        raise SpecError(f"{source} [{which}]: the smoke gate and train-eval measure the "
-                        "reference trainer's drafter; --trainer command runs none of them")
     else:
         section = dict(config["command"])
         name = template or section.pop("template", None) or DEFAULT_TEMPLATE
