@@ -137,7 +137,7 @@ def test_the_smoke_gate_catches_a_label_shifted_by_one(tmp_path, target_dir, dat
     assert verdict["acceptance_by_position"][0] < 0.1
 
 
-# -- the command line --------------------------------------------------------------------------------
+# -- the command line ----------------------------------------------------------------------
 
 
 def manage(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -255,7 +255,7 @@ def test_train_eval_of_a_run_checks_the_thinking_mode_of_its_rows(tmp_path, chec
     assert "eval step_00000040" in status.stdout and f"tau {report['tau']:.2f}" in status.stdout
 
 
-# -- through the queue ---------------------------------------------------------------------------------
+# -- through the queue ----------------------------------------------------------------------
 
 
 def test_the_training_worker_runs_the_smoke_gate_first_and_evaluates_every_checkpoint(

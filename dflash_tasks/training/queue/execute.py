@@ -237,7 +237,8 @@ class RunSession:
                 evals.append(heldout.summary(report))
                 self.say(f"eval {path.name}: tau {report['tau']:.2f} over {report['steps']} "
                          f"steps of {report['prompts']} held-out prompts; acceptance by "
-                         "position " + " ".join(f"{a:.2f}" for a in report["acceptance_by_position"]))
+                         "position " + " ".join(f"{a:.2f}"
+                                                for a in report["acceptance_by_position"]))
             except Exception as exc:  # an evaluation's trouble does not end days of training
                 evals.append({"checkpoint": str(path), "error": f"{type(exc).__name__}: {exc}"})
                 self.say(f"eval {path.name} failed: {type(exc).__name__}: {exc}")

@@ -115,8 +115,8 @@ def drafts_for(target: nn.Module, drafter: Drafter, ids: torch.Tensor,
         seen = max(chunk) + 1  # the context a pass needs: positions before its last anchor
         at = torch.tensor([chunk], device=ids.device)
         ones = torch.ones(1, seen, dtype=torch.long, device=ids.device)
-        blocks = build_blocks(ids[None, :seen], ones, ones, at, torch.ones_like(at, dtype=torch.bool),
-                              block_size=block_size, mask_token_id=drafter.spec.mask_token_id,
+        blocks = build_blocks(ids[None, :seen], ones, ones, at,
+                              torch.ones_like(at, dtype=torch.bool), block_size=block_size, mask_token_id=drafter.spec.mask_token_id,
                               gamma=None)
         states = block_hidden(target, drafter, hidden[:, :seen], blocks.input_ids,
                               blocks.positions, blocks.mask)
