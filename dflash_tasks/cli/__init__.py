@@ -27,6 +27,7 @@ COMMANDS = {
     "train": "dflash_tasks.cli.train:train",
     "train-cancel": "dflash_tasks.cli.train:train_cancel",
     "train-status": "dflash_tasks.cli.train:train_status",
+    "train-eval": "dflash_tasks.cli.train_eval:train_eval",
     "worker": "dflash_tasks.cli.processes:worker",
     "beat": "dflash_tasks.cli.processes:beat",
     "flower": "dflash_tasks.cli.processes:flower",

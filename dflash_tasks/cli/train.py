@@ -84,15 +84,26 @@ def _check_job(r, name: str, waits: bool) -> None:
               help="TOML or JSON with [gate], [reference] and [command] sections "
                    "(docs/TRAINING.md).")
 @click.option("--name", "run_name", help="The run's name [JOB-train-N].")
+@click.option("--smoke", is_flag=True,
+              help="Queue nothing: run the overfit gate here, now, on a few of the job's "
+                   "shipped rows ([smoke] of --config, or its defaults); exit 1 if it fails.")
 @click.option("--json", "as_json", is_flag=True, help="Print the new run as JSON.")
 def train(job: str, after_done: bool, min_rows: int | None, trainer: str, template: str | None,
-          command: str | None, config: Path | None, run_name: str | None, as_json: bool) -> None:
+          command: str | None, config: Path | None, run_name: str | None, smoke: bool,
+          as_json: bool) -> None:
     """Queue a training run of the job's rows for a training worker (manage.py worker --queue
     train). The quality gate (validate) runs first and refuses the run when the data fails it.
     Without --after-done or --min-rows it is queued now, on the rows shipped so far."""
     from dflash_tasks.tasks.train import send
     from dflash_tasks.training.queue import runs
 
+    if smoke:
+        if trainer != "reference" or after_done or min_rows or run_name:
+            raise click.UsageError("--smoke runs the reference trainer's overfit gate now: "
+                                   "not with --trainer command, --after-done, --min-rows or "
+                                   "--name")
+        _smoke_now(job, _spec(config, trainer, None, None), as_json)
+        return
     if after_done and min_rows:
         raise click.UsageError("--after-done and --min-rows are exclusive")
     if (template or command) and trainer != "command":
@@ -123,6 +134,33 @@ def train(job: str, after_done: bool, min_rows: int | None, trainer: str, templa
     console.print(f"training run [bold]{run.name}[/] ({trainer} trainer): {when}.\n"
                   f"  a training worker runs it: python manage.py worker --queue train\n"
                   f"  follow it: python manage.py train-status --run {run.name}", highlight=False)
+
+
+def _smoke_now(job: str, spec: dict, as_json: bool) -> None:
+    """The overfit gate on the job's rows in this deployment's storage, in a scratch directory."""
+    import tempfile
+
+    from dflash_tasks.core.settings import get_settings
+    from dflash_tasks.output.storage import storage_for
+    from dflash_tasks.training.data.reader import NoManifest
+    from dflash_tasks.training.reference.config import SmokeConfig, TrainConfig
+    from dflash_tasks.training.reference.smoke import SmokeFailed, failure_message, smoke_gate
+
+    def say(line: str) -> None:
+        if not as_json:
+            console.print(line, highlight=False, markup=False)
+
+    with tempfile.TemporaryDirectory(prefix="dflash-smoke-") as work:
+        try:
+            verdict = smoke_gate(TrainConfig.model_validate(spec["reference"]),
+                                 SmokeConfig.model_validate(spec.get("smoke") or {}), job=job,
+                                 source=storage_for(get_settings()), work_dir=work, log=say)
+        except (SmokeFailed, NoManifest) as exc:
+            raise click.ClickException(f"smoke gate: {exc}") from None
+    if as_json:
+        click.echo(json.dumps(verdict, indent=1))
+    if not verdict["passed"]:
+        raise click.ClickException(failure_message(verdict))
 
 
 @click.command("train-cancel")
@@ -268,6 +306,17 @@ def _detail(run) -> None:
                   f": {gate.get('rows', 0):,} rows, {gate.get('kept') or 0:,} kept")
         for f in gate.get("failures", []):
             t.add_row("", f"- {f}")
+    smoke = run.get("smoke")
+    if smoke:
+        t.add_row("smoke gate", ("passed" if smoke["passed"] else "FAILED") + (
+            f": tau {smoke['tau']:.2f} (needs {smoke['min_tau']:g}) on {smoke['rows']} row(s) "
+            f"after {smoke['steps']} steps" if "tau" in smoke else f": {smoke.get('error')}"))
+    for e in run.get("evals") or []:
+        name = Path(e["checkpoint"]).name
+        t.add_row("eval " + name, f"error: {e['error']}" if "error" in e else
+                  f"tau {e['tau']:.2f} of {e['block_size']} over {e['prompts']} held-out "
+                  f"prompts (T={e['temperature']:g}); by position " + " ".join(
+                      f"{a:.2f}" for a in e["acceptance_by_position"] if a is not None))
     m = run.get("metrics")
     if m:
         t.add_row("step", f"{m.get('step')} (epoch {m.get('epoch')}, {m.get('samples')} samples)")

@@ -2,6 +2,7 @@
 
 1. claim it (queued -> running; a second delivery, or a run cancelled meanwhile, does nothing);
 2. the quality gate over the job's shipped rows; a failure refuses the run with the report;
+   then, with [smoke], the overfit gate (reference trainer); a failure fails the run;
 3. the trainer: the reference trainer in this process, on the streaming dataset (following the
    job while it still generates), or the command, on an export written for it;
 4. its checkpoints to S3 (the reference trainer's as they appear, a command's at its end);
@@ -105,6 +106,7 @@ class RunSession:
             command = None if self.run.trainer == "reference" else self.allowed_command()
             rules = self.gate()
             if command is None:
+                self.smoke()
                 outcome = self.train_reference()
             else:
                 outcome = self.train_command(rules, command)
@@ -170,11 +172,86 @@ class RunSession:
         self.say(f"quality gate passed: {verdict['rows']:,} rows, {verdict['kept']:,} kept")
         return rules
 
+    def smoke(self) -> None:
+        """The overfit gate, when the spec has [smoke] (once per run: a passed gate is not run
+        again when the run resumes); a failure fails the run before it trains."""
+        from dflash_tasks.training.reference.config import SmokeConfig
+        from dflash_tasks.training.reference.smoke import SmokeFailed, failure_message, smoke_gate
+
+        if not self.run.spec.get("smoke"):
+            return
+        if (self.run.get("smoke") or {}).get("passed"):
+            self.say("smoke gate: passed in an earlier attempt")
+            return
+        config = TrainConfig.model_validate(self.run.spec.get("reference") or {})
+        self.set_phase("smoke")
+        try:
+            verdict = smoke_gate(config, SmokeConfig.model_validate(self.run.spec["smoke"]),
+                                 job=self.run.job, source=self.storage,
+                                 work_dir=self.run_dir / "smoke", log=self.say,
+                                 should_stop=lambda: self.check_stop(raise_=False) is not None)
+            error = None if verdict["passed"] else failure_message(verdict)
+        except SmokeFailed as exc:
+            verdict, error = {"passed": False, "error": str(exc)}, f"the smoke gate failed: {exc}"
+        self.check_stop()  # stopped while it trained: its verdict means nothing
+        self._record(smoke=verdict)
+        if error:
+            self.end(runs.FAILED, error=error)
+            raise TrainingError(f"training run {self.name} failed before training: {error}")
+
+    def evaluator(self, config: TrainConfig) -> Callable | None:
+        """With [eval] every_checkpoint, what the trainer calls after each checkpoint: tau on the
+        held-out prompts, into the run's `evals`. Its inputs (prompts, tokenizer, the thinking
+        contract against the job's rows) are checked now: a bad one fails the run before it
+        trains, not at its first checkpoint."""
+        from dflash_tasks.training.data.reader import NewestRows
+        from dflash_tasks.training.data.tokens import ChatTemplate
+        from dflash_tasks.training.reference import heldout
+        from dflash_tasks.training.reference.config import EvalConfig
+
+        if not self.run.spec.get("eval"):
+            return None
+        settings = EvalConfig.model_validate(self.run.spec["eval"])
+        if not settings.every_checkpoint:
+            return None
+        try:
+            if config.tokenizer_dir() is None:
+                raise heldout.EvalError("[eval] needs a tokenizer to render its prompts: "
+                                        "[reference] tokenizer, or one in the target directory")
+            template = ChatTemplate.load(config.tokenizer_dir())
+            prompts = heldout.load_prompts(settings)
+            thinking = heldout.check_thinking_contract(
+                NewestRows(self._job_storage(), self.run.job, limit=64), settings)
+        except heldout.EvalError as exc:
+            self.end(runs.FAILED, error=f"train-eval cannot run: {exc}")
+            raise TrainingError(f"training run {self.name} failed before training: {exc}") from None
+        evals: list[dict] = list(self.run.get("evals") or [])
+
+        def on_checkpoint(path: Path, target) -> None:
+            self.set_phase("eval")
+            try:
+                report = heldout.evaluate_checkpoint(
+                    path, target, template, settings, thinking, prompts=prompts,
+                    should_stop=lambda: self.check_stop(raise_=False) is not None)
+                evals.append(heldout.summary(report))
+                self.say(f"eval {path.name}: tau {report['tau']:.2f} over {report['steps']} "
+                         f"steps of {report['prompts']} held-out prompts; acceptance by "
+                         "position " + " ".join(f"{a:.2f}"
+                                                for a in report["acceptance_by_position"]))
+            except Exception as exc:  # an evaluation's trouble does not end days of training
+                evals.append({"checkpoint": str(path), "error": f"{type(exc).__name__}: {exc}"})
+                self.say(f"eval {path.name} failed: {type(exc).__name__}: {exc}")
+            self._record(evals=evals)
+            self.set_phase("train")
+
+        return on_checkpoint
+
     def train_reference(self) -> dict:
         from dflash_tasks.training.reference import train
         from dflash_tasks.training.torch_dataset import job_finished
 
         config = TrainConfig.model_validate(self.run.spec.get("reference") or {})
+        on_checkpoint = self.evaluator(config)
         follow = not job_finished(self._progress())
         self.set_phase("train")
         self.say(f"reference trainer: {config.max_steps} steps at most"
@@ -182,7 +259,7 @@ class RunSession:
         result = train(config, job=self.run.job, source=self.storage, run_dir=self.run_dir,
                        follow=follow, on_metrics=self.on_metrics,
                        should_stop=lambda: self.check_stop(raise_=False) is not None,
-                       log=self.say)
+                       log=self.say, on_checkpoint=on_checkpoint)
         self.metrics = result.last_metrics or self.metrics
         outcome = {"step": result.step}
         if result.status == "stopped":

@@ -10,12 +10,13 @@ Fields of a run's hash (JSON where marked):
   was handed back or found lost and queued again) and restart_reason (the latest);
 - while running: worker, task_id (the Celery task that owns the run: Flower shows its state;
   every write of a running task checks it still owns the run, so a task given up for dead that
-  comes back stops instead of competing with its successor), heartbeat_at (Redis time), phase ("gate", "export", "train",
-  "upload"), step, metrics (JSON: the latest), log_tail (JSON: the last lines of its log),
-  run_dir, log_path;
+  comes back stops instead of competing with its successor), heartbeat_at (Redis time),
+  phase ("gate", "smoke", "export", "train", "eval", "upload"), step, metrics (JSON: the
+  latest), log_tail (JSON: the last lines of its log), run_dir, log_path;
 - at the end: exit_code and duration_s (command), checkpoints (JSON list of {name, path,
   step, uri}), uploaded (JSON: checkpoint names already in S3), gate (JSON: the quality gate's
-  verdict), error;
+  verdict), smoke (JSON: the overfit gate's verdict, with [smoke]), evals (JSON list: tau and
+  acceptance by position of each checkpoint on held-out prompts, with [eval]), error;
 - cancel_requested: set by `manage.py train-cancel`, read by the running task;
 - unsent: a queued run handed back by a worker's warm shutdown, whose message beat sends.
 
@@ -38,7 +39,8 @@ WAITING, QUEUED, RUNNING = "waiting", "queued", "running"
 DONE, FAILED, REFUSED, CANCELLED = "done", "failed", "refused", "cancelled"
 FINAL = (DONE, FAILED, REFUSED, CANCELLED)
 
-_JSON_FIELDS = ("spec", "metrics", "log_tail", "checkpoints", "uploaded", "gate")
+_JSON_FIELDS = ("spec", "metrics", "log_tail", "checkpoints", "uploaded", "gate", "smoke",
+                "evals")
 _INT_FIELDS = ("attempts", "restarts", "exit_code", "step", "cancel_requested")
 _FLOAT_FIELDS = ("created_at", "queued_at", "started_at", "finished_at", "heartbeat_at",
                  "duration_s")

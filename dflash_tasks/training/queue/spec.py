@@ -23,7 +23,14 @@ queued, and stored in the run (the training node does not need the file).
     [command.specforge.training]         # any SpecForge config field, merged last
     batch_size = 4
 
-JSON with the same three objects works too. Paths are paths on the training node.
+    [smoke]       # optional, reference trainer (the command trainer ignores it, as [reference]):
+                  # the overfit gate, run before training
+    rows = 4
+    steps = 200
+    [eval]        # optional, reference trainer: tau on held-out prompts after every checkpoint
+    prompts = "/data/heldout.jsonl"
+
+JSON with the same objects works too. Paths are paths on the training node.
 
 The spec travels through Redis, and whoever can write there could write a spec: so a spec names
 its command line and never carries one. The command lines are the training node's own
@@ -41,7 +48,12 @@ from pydantic import ValidationError
 
 from dflash_tasks.training.data.exports import FILES
 from dflash_tasks.training.data.gate import Rules, Thresholds
-from dflash_tasks.training.reference.config import TrainConfig, read_table
+from dflash_tasks.training.reference.config import (
+    EvalConfig,
+    SmokeConfig,
+    TrainConfig,
+    read_table,
+)
 
 # The command lines every training node runs, by name. `specforge`: SpecForge 0.2.0's one public
 # entry point, on a run config the run writes from [command] (training/queue/specforge.py): the
@@ -72,7 +84,7 @@ COMMAND_DEFAULTS = {"nproc": 1, "block_size": 16,
 # Filled in by the training task for each run.
 RUN_PLACEHOLDERS = ("data_path", "data_dir", "output_dir", "run_dir", "job", "run", "config_path")
 
-SECTIONS = ("rules", "gate", "reference", "command")
+SECTIONS = ("rules", "gate", "reference", "command", "smoke", "eval")
 _GATE_FIELDS = {f.name for f in fields(Rules)} | {f.name for f in fields(Thresholds)}
 # [rules]: a Rules field each (require_tokens follows from the format); where a config written
 # before [rules] set the same field, and the trainer's default when none does.
@@ -238,14 +250,18 @@ def build(config: dict, trainer: str, template: str | None, source: str = "--con
     spec = {"trainer": trainer, "rules": rules, "reference": {}, "command": {},
             "gate": {k: v for k, v in config["gate"].items() if k not in RULE_FIELDS}}
     if trainer == "reference":
-        reference = {**config["reference"], **rules}
-        try:
-            TrainConfig.model_validate(reference)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"]) or "(section)"
-            raise SpecError(f"{source} [reference] {loc}: {err['msg']}") from None
-        spec["reference"] = reference
+        reference_section = {**config["reference"], **rules}
+        reference = _validated(TrainConfig, reference_section, source, "reference")
+        spec["reference"] = reference_section
+        for section, model in (("smoke", SmokeConfig), ("eval", EvalConfig)):
+            if config.get(section):
+                _validated(model, config[section], source, section)
+                spec[section] = config[section]
+        if "smoke" in spec:
+            threshold = SmokeConfig.model_validate(spec["smoke"]).threshold(reference.block_size)
+            if threshold > reference.block_size:
+                raise SpecError(f"{source} [smoke] min_tau: {threshold:g} is more than a block "
+                                f"of {reference.block_size} can yield (tau <= block_size)")
     else:
         section = {**config["command"], "max_length": rules["max_length"],
                    "keep_truncated": rules["keep_truncated"]}
@@ -266,6 +282,15 @@ def build(config: dict, trainer: str, template: str | None, source: str = "--con
             _check_run_config(values, source)
         spec["command"] = {"template": name, "values": values}
     return spec
+
+
+def _validated(model, section: dict, source: str, name: str):
+    try:
+        return model.model_validate(section)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "(section)"
+        raise SpecError(f"{source} [{name}] {loc}: {err['msg']}") from None
 
 
 def check_command(name: str, values: dict, commands: NodeCommands, source: str) -> str:

@@ -28,8 +28,9 @@ the target's forward pass costs less than reading that back.
 
 Modules: `config` (TrainConfig, load_config), `target` (the frozen target and its layers),
 `model` (the drafter), `blocks` (anchors, labels, weights, attention mask, loss), `data` (the
-job's samples, shuffled), `checkpoints`, `trainer` (train, resume), `evaluate`
-(greedy_acceptance).
+job's samples, shuffled), `checkpoints`, `trainer` (train, resume, overfit), `evaluate`
+(greedy_acceptance), `speculation` (tau: speculative decoding replayed along a known answer),
+`smoke` (the overfit gate), `heldout` (train-eval on held-out prompts).
 """
 import importlib
 

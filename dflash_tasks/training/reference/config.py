@@ -123,3 +123,34 @@ def load_config(path: str | Path) -> TrainConfig:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(file)'}: {e['msg']}"
                              for e in exc.errors())
         raise ValueError(f"{path}: {problems}") from None
+
+
+class SmokeConfig(BaseModel):
+    """[smoke]: the overfit gate. The configured drafter trains on the first `rows` rows of the
+    job that pass the rules, for `steps` steps, then must reach a mean acceptance length tau of
+    `min_tau` replaying those rows (speculation.py); a broken mask or label shift stays near 1."""
+    model_config = ConfigDict(extra="forbid")
+
+    rows: int = Field(4, ge=1)
+    steps: int = Field(200, ge=1)
+    # None: 0.8 of the block size, near the most a block can yield (block_size)
+    min_tau: float | None = Field(None, ge=1)
+    learning_rate: float | None = Field(None, gt=0)  # None: [reference]'s
+
+    def threshold(self, block_size: int) -> float:
+        return self.min_tau if self.min_tau is not None else 0.8 * block_size
+
+
+class EvalConfig(BaseModel):
+    """[eval]: acceptance on held-out prompts (train-eval, and the training worker after every
+    checkpoint). The target answers each prompt itself (greedy at temperature 0) under the
+    chat template's thinking mode; the drafter's tau is measured along that answer."""
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: str                    # a prompt dataset (JSONL or Parquet, as `enqueue` reads)
+    max_prompts: int = Field(32, ge=1)
+    max_new_tokens: int = Field(256, ge=2)
+    temperature: float = Field(0.0, ge=0)
+    enable_thinking: bool | None = None  # None: the mode of the run's rows
+    seed: int = 0
+    every_checkpoint: bool = True   # the training worker evaluates each checkpoint it writes

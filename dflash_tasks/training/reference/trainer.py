@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import nn
 
 from dflash_tasks.output.storage import Storage
 from dflash_tasks.training.data.tokens import ChatTemplate
@@ -107,8 +108,10 @@ class _Run:
     """One call of `train`: the models, the optimizer, where the run is, and its outputs."""
 
     def __init__(self, config: TrainConfig, run_dir: Path, say: Callable[[str], None],
-                 on_metrics: Callable[[dict], None] | None):
+                 on_metrics: Callable[[dict], None] | None,
+                 on_checkpoint: Callable[[Path, nn.Module], None] | None = None):
         self.config, self.run_dir, self.say, self.on_metrics = config, run_dir, say, on_metrics
+        self.on_checkpoint = on_checkpoint
         self.device = pick_device(config.device)
         self.target = load_target(config.target_model, dtype=DTYPES[config.dtype],
                                   device=self.device)
@@ -226,6 +229,8 @@ class _Run:
                                             self.config.keep_checkpoints))
         self.saved_step = self.progress.step
         self.say(f"checkpoint {self.written[-1]}")
+        if self.on_checkpoint:
+            self.on_checkpoint(self.written[-1], self.target)
 
     def finished(self) -> bool:
         epochs = self.config.epochs
@@ -236,15 +241,17 @@ class _Run:
 def train(config: TrainConfig, *, job: str, source: str | Path | Storage, run_dir: str | Path,
           follow: bool = False, on_metrics: Callable[[dict], None] | None = None,
           should_stop: Callable[[], bool] | None = None,
-          log: Callable[[str], None] | None = None) -> TrainResult:
+          log: Callable[[str], None] | None = None,
+          on_checkpoint: Callable[[Path, nn.Module], None] | None = None) -> TrainResult:
     """Train a drafter on `job`'s rows read from `source` (a directory, an s3:// URI or a
     Storage), writing metrics.jsonl and checkpoints under run_dir; resumes from the newest
     checkpoint there. `follow`: keep reading a running job's new batches (first epoch), as
     JobDataset does. `should_stop` is asked after every step, and every second while following
-    waits for a batch: True saves and returns "stopped"."""
+    waits for a batch: True saves and returns "stopped". `on_checkpoint(path, target)` is
+    called after each checkpoint is written (train-eval's measure, with the loaded target)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    run = _Run(config, run_dir, log or logger.info, on_metrics)
+    run = _Run(config, run_dir, log or logger.info, on_metrics, on_checkpoint)
     run.resume()
     progress, status = run.progress, "done"
     while not run.finished() and status == "done":
@@ -278,3 +285,37 @@ def train(config: TrainConfig, *, job: str, source: str | Path | Storage, run_di
     if progress.step > run.saved_step:
         run.save()
     return TrainResult(status, progress.step, run.written, run.last_metrics)
+
+
+@dataclass
+class Overfitted:
+    target: nn.Module
+    drafter: Drafter
+    last_metrics: dict
+
+
+def overfit(config: TrainConfig, samples: list[dict], *, work_dir: str | Path,
+            log: Callable[[str], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> Overfitted:
+    """A fresh drafter trained on `samples` alone, in batches of config.batch_size taken round
+    and round, for config.max_steps steps, by the very step `train` takes (the smoke gate).
+    Metrics go to work_dir/metrics.jsonl; no checkpoint is written. `should_stop` is asked
+    after every step: True ends the training there."""
+    if not samples:
+        raise ValueError("overfit: no samples")
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / "metrics.jsonl").unlink(missing_ok=True)
+    run = _Run(config, work_dir, log or logger.info, None)
+    run.window = Window(run.spec.block_size)
+    run.started, run.elapsed_before = time.monotonic(), 0.0
+    for i in range(config.max_steps):
+        first = i * config.batch_size
+        run.step([samples[(first + j) % len(samples)] for j in range(config.batch_size)])
+        if run.progress.step % config.log_every == 0:
+            run.flush()
+        if should_stop is not None and should_stop():
+            break
+    if run.window.steps:
+        run.flush()
+    return Overfitted(run.target, run.drafter.eval(), run.last_metrics)
