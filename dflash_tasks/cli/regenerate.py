@@ -141,7 +141,7 @@ def _why_every_batch(name: str, reason: str, indexed: int, counted: int) -> str:
         why = f"rows that ended {reason!r} are most of a job and not indexed"
     else:
         why = (f"the ledger's index holds {indexed:,} of the {counted:,} rows that ended "
-               f"{reason!r} (a job begun before the index)")
+               f"{reason!r} (rows recorded by a version before it)")
     return (f"job {name}: {why}: reading every batch to find them, which takes as long as "
             "reading the whole output")
 

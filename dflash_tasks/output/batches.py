@@ -468,7 +468,8 @@ def rows_at(r: redis.Redis, storage: Storage, job: str, places: list[tuple[str, 
             yield prompt_id, newest[prompt_id]
 
 
-def _row_places(r: redis.Redis, job: str) -> tuple[list[tuple[int, int]], list[dict], tuple | None]:
+def _row_places(r: redis.Redis,
+                job: str) -> tuple[list[tuple[int, int]], list[dict], tuple[int, int] | None]:
     """One look at where rows are: the recorded batches' first entries (sorted) and records,
     and the first entry still waiting in the stream (None: none waits)."""
     k = JobKeys(job)
