@@ -145,7 +145,7 @@ def test_only_the_entry_points_reach_for_the_process_accessors():
 
 # -- docs/ARCHITECTURE.md's key table --------------------------------------------------------------
 
-PLACEHOLDERS = {"job": "<job>", "run": "<run>", "gpu": "<gpu>", "part": "*"}
+PLACEHOLDERS = {"job": "<job>", "run": "<run>", "gpu": "<gpu>", "part": "*", "reason": "<reason>"}
 # Validators, GPU names and Celery's queue names: not keys of the project's own.
 NOT_KEYS = {"check_job_name", "check_node_name", "gpu_name", "parse_gpu", "gpu_order", "queue_for"}
 

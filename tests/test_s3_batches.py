@@ -214,11 +214,15 @@ def test_s3_unreachable_for_a_while_then_back(cluster, moto, tmp_path):
     assert "Traceback" not in beat_log
     assert "storage works again" in beat_log
 
-    # regenerate reads the shipped batches: with S3 cut it says so and what to do, no traceback,
-    # and the done job is left as it was (found by the chaos test).
+    # regenerate --continue reads the shipped batches holding its rows (a plain regenerate reads
+    # none: test_regenerate_index.py): with S3 cut it says so and what to do, no traceback, and
+    # the done job is left as it was (found by the chaos test).
+    assert int(c.r.hget("dflash:{outage}:counters", "finish:length") or 0) > 0
+    c.manage("set", "--job", "outage", "--max-output-tokens", "16384")  # room to continue
     proxy.stop()
     try:
-        result = c.manage("regenerate", "--job", "outage", "--finish-reason", "length", check=False)
+        result = c.manage("regenerate", "--job", "outage", "--finish-reason", "length",
+                          "--continue", check=False)
         stats = c.manage("stats", "--job", "outage", check=False)  # any command reading batches
     finally:
         proxy.start()

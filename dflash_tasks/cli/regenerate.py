@@ -1,15 +1,45 @@
 """`regenerate`: run again the prompts whose newest row ended a given way (typically truncated
-under an old cap), optionally continuing their output instead of starting over."""
+under an old cap), optionally continuing their output instead of starting over.
+
+The rows are found through the ledger's index of rows by finish reason (complete.lua keeps it
+with the done mark), so the cost follows the rows taken back, not the job: a plain regenerate
+reads no batch (the index holds each row's prompt and its share of the counters), and
+`--continue` reads only the batches that hold the rows it continues (their token ids). A
+reason the index does not hold ("stop"), or a job begun before it, is found by reading every
+batch, as the command says when it does."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import click
 
 from dflash_tasks.cli.common import allowed_or_fail, console, job_or_fail, redis_or_fail
 from dflash_tasks.core.settings import get_settings
 
-CHUNK = 500
+
+@dataclass
+class Tally:
+    """What this regenerate has taken back so far, up to its limit."""
+    limit: int | None
+    reopened: int = 0
+    continued: int = 0
+    saved: int = 0  # output tokens a continuation keeps instead of generating again
+
+    def full(self) -> bool:
+        return bool(self.limit) and self.reopened >= self.limit
+
+    def reopen(self, book, job: str, ended, entry: dict | bytes) -> None:
+        """Take `ended` back with `entry` as its stored prompt: the messages as `prompts`
+        stores them (from the index), or {messages, continue?} (from the row)."""
+        kept = 0
+        if isinstance(entry, dict):
+            kept = len(entry["continue"]["response_ids"]) if "continue" in entry else 0
+            entry = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
+        if book.reopen(job, ended, entry, kept):
+            self.reopened += 1
+            self.continued += bool(kept)
+            self.saved += kept
 
 
 @click.command()
@@ -25,67 +55,111 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
     from dflash_tasks import dispatch
     from dflash_tasks.core import jobs
     from dflash_tasks.ledger import shared_ledger
-    from dflash_tasks.output.batches import iter_newest_rows
+    from dflash_tasks.output.batches import BadManifest, RowNotFound
+    from dflash_tasks.output.spool import Spool
     from dflash_tasks.output.storage import StorageError, storage_for
-    from dflash_tasks.sglang.continuation import entry_from_row
     from dflash_tasks.tasks.app import app
 
     r = redis_or_fail()
     job = job_or_fail(r, name)
     allowed_or_fail("regenerate", job)
-    cap = job.params.max_tokens
+    s = get_settings()
     book = shared_ledger()
-    reopened = continued = saved = 0
-    batch: list[tuple[dict, dict]] = []
-
-    def flush() -> None:
-        nonlocal reopened, continued, saved
-        for row, entry in batch:
-            kept = len(entry["continue"]["response_ids"]) if "continue" in entry else 0
-            if book.reopen(name, row, json.dumps(entry, ensure_ascii=False, separators=(",", ":")),
-                           kept):
-                reopened += 1
-                continued += bool(kept)
-                saved += kept
-        batch.clear()
-
+    storage = storage_for(s)
+    # Batches wait in beat's spool while S3 is out (a directory storage has none).
+    spool = Spool(s.spool_path()) if getattr(storage, "is_remote", False) else None
+    cap = job.params.max_tokens
+    tally = Tally(limit)
+    indexed, counted = book.ended_count(name, finish_reason)
     try:
-        for row in iter_newest_rows(r, storage_for(get_settings()), name):
-            if row["metadata"]["finish_reason"] != finish_reason:
-                continue
-            if continue_output and finish_reason == "length" and row["metadata"]["completion_tokens"] >= cap:
-                raise click.UsageError(
-                    f"row {row['id']} already has {row['metadata']['completion_tokens']:,} tokens and "
-                    f"the job's max_tokens is {cap:,}: raise it first (manage.py set --job {name} "
-                    "--max-output-tokens N), then continue")
-            batch.append((row, entry_from_row(row, continue_output=continue_output)))
-            if len(batch) >= CHUNK:
-                flush()
-            if limit and reopened + len(batch) >= limit:
-                break
+        if indexed != counted:
+            console.print(_why_every_batch(name, finish_reason, indexed, counted))
+            _from_every_batch(book, r, storage, spool, name, finish_reason, continue_output, cap,
+                              tally)
+        elif continue_output and finish_reason == "length":
+            _continue_from_index(book, r, storage, spool, name, cap, tally)
+        else:  # only a truncated row is continued: the others start over, from the index alone
+            for ended in book.ended_rows(name, finish_reason):
+                tally.reopen(book, name, ended, ended.prompt)
+                if tally.full():
+                    break
         failure = None
-    except StorageError as exc:
-        # The rows read so far are queued again (the job runs them like any other); running it
+    except (StorageError, RowNotFound, BadManifest) as exc:
+        # The rows taken so far are queued again (the job runs them like any other); running it
         # again once the storage answers takes the rest: a prompt already taken back is no
         # longer done, so it is not taken twice.
         failure = exc
-    flush()
-    if reopened:
+    if tally.reopened:
         from dflash_tasks.training.data.monitor import restart_window
 
         restart_window(r, name)  # its facts of the rows just superseded would still count
-    if reopened and job.status == "done":
+    if tally.reopened and job.status == "done":
         jobs.transition(r, name, "done", "running")  # the lifecycle: a done job with work runs
-    if reopened and (now := jobs.load(r, name)).status == "running":
-        dispatch.topup_all(app, book, get_settings(), now)
+    if tally.reopened and (now := jobs.load(r, name)).status == "running":
+        dispatch.topup_all(app, book, s, now)
     if failure is not None:
         raise click.ClickException(
-            f"{failure}; {reopened:,} prompts were queued again before it: run the same command "
-            "again once the storage answers")
-    console.print(f"job {name}: {reopened:,} prompts with finish_reason {finish_reason!r} queued "
-                  f"again at max_tokens {cap:,}")
+            f"{failure}; {tally.reopened:,} prompts were queued again before it: run the same "
+            "command again once the storage answers")
+    console.print(f"job {name}: {tally.reopened:,} prompts with finish_reason {finish_reason!r} "
+                  f"queued again at max_tokens {cap:,}")
     if continue_output:
-        console.print(f"  {continued:,} continue from their truncated output: {saved:,} tokens "
-                      "reused, not generated again")
-        if reopened > continued:
-            console.print(f"  {reopened - continued:,} start over (no token ids in the row)")
+        console.print(f"  {tally.continued:,} continue from their truncated output: "
+                      f"{tally.saved:,} tokens reused, not generated again")
+        if tally.reopened > tally.continued:
+            console.print(f"  {tally.reopened - tally.continued:,} start over "
+                          "(no token ids in the row)")
+
+
+def _refuse_capped(name: str, prompt_id: str, tokens: int, cap: int) -> None:
+    raise click.UsageError(
+        f"row {prompt_id} already has {tokens:,} tokens and the job's max_tokens is {cap:,}: "
+        f"raise it first (manage.py set --job {name} --max-output-tokens N), then continue")
+
+
+def _continue_from_index(book, r, storage, spool, name: str, cap: int, tally: Tally) -> None:
+    """Truncated rows continued from their token ids: the index finds them and says where each
+    is; only the batches holding them are read, each once, oldest first."""
+    from dflash_tasks.output.batches import rows_at
+    from dflash_tasks.sglang.continuation import entry_from_row
+
+    truncated = {ended.id: ended for ended in book.ended_rows(name, "length", prompts=False)}
+    for ended in truncated.values():  # refused before anything is taken back
+        if ended.completion_tokens >= cap:
+            _refuse_capped(name, ended.id, ended.completion_tokens, cap)
+    places = [(ended.entry, ended.id) for ended in truncated.values()]
+    for prompt_id, row in rows_at(r, storage, name, places, spool=spool):
+        tally.reopen(book, name, truncated[prompt_id], entry_from_row(row, continue_output=True))
+        if tally.full():
+            break
+
+
+def _why_every_batch(name: str, reason: str, indexed: int, counted: int) -> str:
+    from dflash_tasks.ledger import UNINDEXED_REASONS
+
+    if reason in UNINDEXED_REASONS:
+        why = f"rows that ended {reason!r} are most of a job and not indexed"
+    else:
+        why = (f"the ledger's index holds {indexed:,} of the {counted:,} rows that ended "
+               f"{reason!r} (rows recorded by a version before it)")
+    return (f"job {name}: {why}: reading every batch to find them, which takes as long as "
+            "reading the whole output")
+
+
+def _from_every_batch(book, r, storage, spool, name: str, reason: str, continue_output: bool,
+                      cap: int, tally: Tally) -> None:
+    """The rows found by reading the job's whole output, newest row per id first."""
+    from dflash_tasks.ledger import EndedRow
+    from dflash_tasks.output.batches import iter_newest_rows
+    from dflash_tasks.sglang.continuation import entry_from_row
+
+    for row in iter_newest_rows(r, storage, name, spool=spool):
+        meta = row["metadata"]
+        if meta["finish_reason"] != reason:
+            continue
+        if continue_output and reason == "length" and meta["completion_tokens"] >= cap:
+            _refuse_capped(name, row["id"], meta["completion_tokens"], cap)
+        tally.reopen(book, name, EndedRow.from_row(row),
+                     entry_from_row(row, continue_output=continue_output))
+        if tally.full():
+            break

@@ -118,6 +118,10 @@ class JobKeys:
     def done(self) -> str:        # set: ids whose row is in the output
         return self._k("done")
 
+    def ended(self, reason: str) -> str:  # hash: id -> "<stream entry> <prompt tokens> <output
+        # tokens> <gpu>\n<prompt>" of each done id whose newest row ended `reason` (not "stop")
+        return self._k(f"ended:{reason}")
+
     @property
     def failed(self) -> str:      # hash: id -> JSON {reason, error, attempts, gpu, at}
         return self._k("failed")

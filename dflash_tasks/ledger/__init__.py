@@ -13,20 +13,23 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import redis
 
 from dflash_tasks.core.connections import redis_client
 from dflash_tasks.core.keys import BREAKERS, MEMORY_HOLD, WORKERS, WORKERS_SEEN, JobKeys, queue_for
 from dflash_tasks.core.settings import Settings, get_settings
-from dflash_tasks.ledger.messages import decode_messages
+from dflash_tasks.ledger.messages import decode_messages, encode_messages
 
 log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 LAGGING_WARN_EVERY_S = 60.0
 HIST_BUCKET_TOKENS = 64   # output-length histogram resolution, for percentiles without scans
 SPEED_MIN_TOKENS = 64     # the shortest request that counts for its GPU's speed (take.lua)
+# Rows that ended "stop" are most of a job and rarely generated again: they are not in the index
+# of rows by finish reason (regenerate reads the batches to find them). Every other reason is.
+UNINDEXED_REASONS = frozenset({"stop"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,37 @@ class TaskState:
     continuation: dict | None = None  # a truncated output to continue (regenerate --continue)
     # Dispatched to this GPU and not recalled since (a message of a recalled prompt is stale).
     in_flight_here: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class EndedRow:
+    """A done prompt's newest row as regenerate takes it back: its share of the counters and
+    where it is, from the ledger's index of rows by finish reason (complete.lua), or from the row
+    itself when it was read from a batch."""
+    id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    gpu: str
+    # The row's stream entry id: in the stream until sealed, then in the batch whose first entry
+    # is the last one at or before it (batches are consecutive runs of the stream).
+    entry: str = ""
+    prompt: bytes | None = None  # its messages as `prompts` stores them (encode_messages)
+    # The index record's first line as read: reopen.lua takes the row back only while it is
+    # still that one. Empty for a row read from a batch.
+    indexed: str = ""
+
+    @classmethod
+    def from_row(cls, row: dict) -> "EndedRow":
+        meta = row["metadata"]
+        return cls(row["id"], meta["finish_reason"], int(meta["prompt_tokens"]),
+                   int(meta["completion_tokens"]), meta["gpu"])
+
+
+def entry_order(entry: str) -> tuple[int, int]:
+    """A stream entry id ("<ms>-<seq>") as a sortable pair."""
+    ms, _, seq = entry.partition("-")
+    return int(ms), int(seq or 0)
 
 
 class Ledger:
@@ -107,15 +141,44 @@ class Ledger:
                          done=bool(done), failed=bool(failed), continuation=continuation,
                          in_flight_here=here is not None)
 
-    def reopen(self, job: str, row: dict, entry_json: str, continued_tokens: int) -> bool:
-        """Take a done prompt back for regeneration (reopen.lua); False if it was not done."""
+    def reopen(self, job: str, ended: EndedRow, entry: str | bytes, continued_tokens: int) -> bool:
+        """Take a done prompt back for regeneration (reopen.lua), `entry` becoming its stored
+        prompt; False if it was not done, or (read from the index) its newest row is another."""
         k = JobKeys(job)
-        meta = row["metadata"]
-        out = int(meta["completion_tokens"])
+        out = ended.completion_tokens
         return bool(self._scripts["reopen"](
-            keys=[k.done, k.prompts, k.pending, k.counters],
-            args=[row["id"], entry_json, int(meta["prompt_tokens"]), out, meta["finish_reason"],
-                  meta["gpu"], out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, continued_tokens]))
+            keys=[k.done, k.prompts, k.pending, k.counters, k.ended(ended.finish_reason)],
+            args=[ended.id, entry, ended.prompt_tokens, out, ended.finish_reason, ended.gpu,
+                  out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, continued_tokens,
+                  ended.indexed]))
+
+    def ended_count(self, job: str, reason: str) -> tuple[int, int]:
+        """(rows in the index of rows that ended `reason`, rows the counters say ended so), read
+        together: equal when the index covers the job (complete.lua and reopen.lua change both
+        in one step); fewer for a reason not indexed or a job begun before the index."""
+        k = JobKeys(job)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hlen(k.ended(reason))
+        pipe.hget(k.counters, f"finish:{reason}")
+        indexed, counted = pipe.execute()
+        return int(indexed), int(counted or 0)
+
+    def ended_rows(self, job: str, reason: str, *, prompts: bool = True) -> Iterator[EndedRow]:
+        """The rows that had ended `reason` when this began, from the index (not the rows): a
+        row finished since (a prompt this regenerate took back, done again) is not given again.
+        Without `prompts` their messages are left out (a continuation reads them from the row)."""
+        k = JobKeys(job)
+        try:
+            last = self.r.xinfo_stream(k.output)["last-generated-id"]
+        except redis.ResponseError:  # no stream: no row was ever finished
+            return
+        cutoff = entry_order(_s(last))
+        for prompt_id, raw in self.r.hscan_iter(k.ended(reason), count=500):
+            head, _, prompt = raw.partition(b"\n")
+            entry, prompt_tokens, completion_tokens, gpu = head.decode().split(" ")
+            if entry_order(entry) <= cutoff:
+                yield EndedRow(_s(prompt_id), reason, int(prompt_tokens), int(completion_tokens),
+                               gpu, entry, prompt if prompts else None, head.decode())
 
     def recall(self, job: str, gpu: str, ids: Sequence[str] = ()) -> int:
         """Put prompts in flight on `gpu` (`ids`, or all) back in front of pending (recall.lua)."""
@@ -140,15 +203,19 @@ class Ledger:
         k = JobKeys(job)
         meta = row["metadata"]
         out = int(meta["completion_tokens"])
+        reason = meta["finish_reason"]
         keys = [k.done, k.inflight(gpu), k.prompts, k.failed, k.counters, k.rate, k.output,
-                k.pending, k.config, k.gpus, k.speed]
+                k.pending, k.config, k.gpus, k.ended(reason), k.speed]
+        # Its prompt, kept in the index for a regenerate that reads no batch (a few KB at most,
+        # compressed, for a fifth of the rows at the real run's figures: docs/ARCHITECTURE.md).
+        prompt = b"" if reason in UNINDEXED_REASONS else encode_messages(row["conversations"][:-1])
         latency = float(meta.get("latency_s") or 0)
         # A request too short to say how fast the GPU decodes (prefill and the round trip
         # dominate it) does not move its speed.
         speed = f"{out / latency:.1f}" if out >= SPEED_MIN_TOKENS and latency > 0 else ""
         args = [prompt_id, json.dumps(row, ensure_ascii=False, separators=(",", ":")),
-                int(meta["prompt_tokens"]), out, meta["finish_reason"], gpu, rate_bucket_s,
-                out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, k.inflight(""), speed]
+                int(meta["prompt_tokens"]), out, reason, gpu, rate_bucket_s,
+                out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, k.inflight(""), prompt, speed]
         if not self.wait_replicas:
             return bool(self._scripts["complete"](keys=keys, args=args))
         # WAIT counts the replicas that have the writes of its own connection: in one pipeline

@@ -1,8 +1,10 @@
 -- Record a finished prompt exactly once: done mark, counters and output row in one atomic step,
 -- so the counters always equal what the output holds, whatever is delivered twice.
--- KEYS: done, inflight(gpu), prompts, failed, counters, rate, output, pending, config, gpus, speed
+-- KEYS: done, inflight(gpu), prompts, failed, counters, rate, output, pending, config, gpus,
+--       ended(finish_reason), speed
 -- ARGV: id, row_json, input_tokens, output_tokens, finish_reason, gpu, rate_bucket_s, hist_bucket,
---       inflight_prefix, tokens_per_s (the request's; empty when too short to say)
+--       inflight_prefix, prompt (its messages as `prompts` stores them; empty: a reason not indexed),
+--       tokens_per_s (the request's; empty when too short to say)
 -- Returns 1 when recorded, 0 when the id was already done (a duplicate delivery) or the job was
 -- deleted while the request ran (nothing is written: its keys stay gone).
 local id = ARGV[1]
@@ -39,12 +41,19 @@ redis.call('HSETNX', KEYS[5], 'first_completed_at', now)
 redis.call('HSET', KEYS[5], 'last_completed_at', now)
 -- How fast this GPU's requests go, for take.lua's end game: a moving average over its last
 -- twenty or so requests (a server's speed drifts with its load and the prompts' lengths).
-local speed = tonumber(ARGV[10])
+local speed = tonumber(ARGV[11])
 if speed and speed > 0 then
-  local old = tonumber(redis.call('HGET', KEYS[11], ARGV[6]))
-  redis.call('HSET', KEYS[11], ARGV[6], old and old + 0.05 * (speed - old) or speed)
+  local old = tonumber(redis.call('HGET', KEYS[12], ARGV[6]))
+  redis.call('HSET', KEYS[12], ARGV[6], old and old + 0.05 * (speed - old) or speed)
 end
 local entry = redis.call('XADD', KEYS[7], '*', 'id', id, 'row', ARGV[2])
+-- The index regenerate reads instead of the rows (Ledger.ended_rows): where the row is (its
+-- stream entry, which names its batch once sealed), its share of the counters, and its prompt.
+-- Written here, with the done mark, so the two never disagree; reopen.lua takes it out again.
+if ARGV[10] ~= '' then
+  redis.call('HSET', KEYS[11], id,
+             entry .. ' ' .. ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. ARGV[6] .. '\n' .. ARGV[10])
+end
 -- What beat's tick reads to decide whether to seal, instead of the rows (batches.py): the bytes
 -- waiting (each row and its newline, as in the batch file), and the time of the oldest row (its
 -- stream id's milliseconds), set here when the stream was empty, kept by drop_sealed.lua.

@@ -2,14 +2,26 @@
 -- go, its prompt (and, to continue a truncated output, the ids it already has) comes back to
 -- pending. The old row stays in its batch; readers keep the newest row per id, and the counters
 -- follow the newest row, so they keep equalling the dataset.
--- KEYS: done, prompts, pending, counters
--- ARGV: id, prompt_entry_json, input_tokens, output_tokens, finish_reason, gpu, hist_bucket,
---       continued_tokens (ids kept from the old output; 0 to start over)
--- Returns 1 when reopened, 0 when the id was not done (already reopened, or unknown).
+-- Its record in the index of rows by finish reason (complete.lua writes it) goes with the done
+-- mark: the id is no longer done, and its next row is indexed under the reason it ends with.
+-- KEYS: done, prompts, pending, counters, ended(finish_reason)
+-- ARGV: id, prompt_entry, input_tokens, output_tokens, finish_reason, gpu, hist_bucket,
+--       continued_tokens (ids kept from the old output; 0 to start over), indexed (the first
+--       line of the index record as regenerate read it; empty: the row was read from a batch)
+-- Returns 1 when reopened, 0 when the id was not done (already reopened, or unknown) or its
+-- newest row is no longer the one indexed as read (taken back and finished again meanwhile:
+-- the shares given are not its row's).
 local id = ARGV[1]
+if ARGV[9] ~= '' then
+  local record = redis.call('HGET', KEYS[5], id)
+  if not record or string.sub(record, 1, #ARGV[9] + 1) ~= ARGV[9] .. '\n' then
+    return 0
+  end
+end
 if redis.call('SREM', KEYS[1], id) == 0 then
   return 0
 end
+redis.call('HDEL', KEYS[5], id)
 redis.call('HSET', KEYS[2], id, ARGV[2])
 redis.call('RPUSH', KEYS[3], id)
 local input_tokens, output_tokens = tonumber(ARGV[3]), tonumber(ARGV[4])

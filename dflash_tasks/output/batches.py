@@ -45,6 +45,7 @@ import logging
 import math
 import re
 import time
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -54,7 +55,7 @@ import zstandard
 from dflash_tasks.core.keys import JobKeys
 from dflash_tasks.core.locks import HeldLock
 from dflash_tasks.core.settings import Settings
-from dflash_tasks.ledger import Ledger
+from dflash_tasks.ledger import Ledger, entry_order
 from dflash_tasks.output.storage import Storage, StorageError
 
 if TYPE_CHECKING:  # spool.py imports this module (batch names); the writer is given a Spool
@@ -399,10 +400,101 @@ def read_manifest(storage: Storage, job: str) -> dict:
     return json.loads(storage.get(manifest_key(job)))
 
 
-def iter_newest_rows(r: redis.Redis, storage: Storage, job: str) -> Iterator[dict]:
+class RowNotFound(LookupError):
+    """A row is not where the ledger's index places it; the message names both."""
+
+
+def read_batch_anywhere(r: redis.Redis, storage: Storage, job: str, record: dict, *,
+                        spool: Spool | None = None) -> list[dict]:
+    """A recorded batch's rows wherever it is now: the storage, or beat's spool while the
+    storage has not taken it yet (an S3 outage). Raises StorageError when it is in neither."""
+    if record.get("location") != SPOOLED:
+        return read_batch(storage, record)
+    name = record["name"]
+    if spool is not None:
+        try:
+            lines = verify_batch(spool.read(job, name), record, str(spool.path(job, name)))
+            return [json.loads(line) for line in lines]
+        except FileNotFoundError:
+            now = json.loads(r.hget(JobKeys(job).manifest, name) or "{}")
+            if now.get("location", SPOOLED) != SPOOLED:  # shipped while this ran
+                return read_batch(storage, now)
+    raise StorageError(f"batch {name} waits in beat's spool ({record.get('spool')}) until the "
+                       f"storage takes it, and this machine's spool "
+                       f"({spool.root if spool else 'none'}) does not hold it: run this on "
+                       "beat's machine, or once the storage has it")
+
+
+def rows_at(r: redis.Redis, storage: Storage, job: str, places: list[tuple[str, str]], *,
+            spool: Spool | None = None) -> Iterator[tuple[str, dict]]:
+    """The rows at these (stream entry id, prompt id) places, as (prompt id, row), oldest first:
+    each from the stream while it waits there, else from the batch that holds it, read once for
+    every place in it (from the storage, or the spool). Batches are consecutive runs of the
+    stream named by their first entry, so a place's batch is the last one starting at or before
+    it: nothing else is read. Raises RowNotFound when a row is not where its place says."""
+    k = JobKeys(job)
+    todo = sorted(places, key=lambda place: entry_order(place[0]))
+    starts, records, waiting_from = _row_places(r, job)
+    i = 0
+    while i < len(todo):
+        entry, prompt_id = todo[i]
+        at = entry_order(entry)
+        if waiting_from is not None and at >= waiting_from:
+            found = r.xrange(k.output, min=entry, max=entry)
+            if found:
+                yield prompt_id, json.loads(found[0][1][b"row"])
+                i += 1
+                continue
+            starts, records, waiting_from = _row_places(r, job)  # sealed since: recorded now
+            if waiting_from is not None and at >= waiting_from:
+                raise RowNotFound(f"job {job}: the row of {prompt_id} is neither in the stream "
+                                  f"(entry {entry}) nor in a batch")
+        first = bisect_right(starts, at) - 1
+        if first < 0:
+            raise RowNotFound(f"job {job}: no batch holds stream entry {entry} ({prompt_id})")
+        group = [todo[i]]
+        i += 1
+        while i < len(todo) and bisect_right(starts, entry_order(todo[i][0])) - 1 == first \
+                and (waiting_from is None or entry_order(todo[i][0]) < waiting_from):
+            group.append(todo[i])
+            i += 1
+        record = records[first]
+        rows = read_batch_anywhere(r, storage, job, record, spool=spool)
+        newest = {row["id"]: row for row in rows}  # an id's last line there is its newest row
+        for entry, prompt_id in group:
+            if prompt_id not in newest:
+                raise RowNotFound(f"job {job}: batch {record['name']} holds no row of "
+                                  f"{prompt_id}, which the ledger places there (entry {entry})")
+            yield prompt_id, newest[prompt_id]
+
+
+def _row_places(r: redis.Redis,
+                job: str) -> tuple[list[tuple[int, int]], list[dict], tuple[int, int] | None]:
+    """One look at where rows are: the recorded batches' first entries (sorted) and records,
+    and the first entry still waiting in the stream (None: none waits)."""
+    k = JobKeys(job)
+    pipe = r.pipeline(transaction=True)
+    pipe.hvals(k.manifest)
+    pipe.xrange(k.output, count=1)
+    raw, waiting = pipe.execute()
+    records = check_records(job, [json.loads(v) for v in raw], f"job {job}'s manifest in Redis")
+    records.sort(key=lambda rec: batch_first(rec["name"]))
+    return ([batch_first(rec["name"]) for rec in records], records,
+            entry_order(waiting[0][0].decode()) if waiting else None)
+
+
+def batch_first(name: str) -> tuple[int, int]:
+    """The stream entry a batch begins with, from its name (batch_name's inverse)."""
+    _, ms, seq = name.split("-")
+    return int(ms), int(seq)
+
+
+def iter_newest_rows(r: redis.Redis, storage: Storage, job: str, *,
+                     spool: Spool | None = None) -> Iterator[dict]:
     """Every id's newest row, newest first: the rows still in the stream, then the sealed
-    batches from the last back. A regenerated prompt has an older row in an earlier batch; it
-    is skipped. Memory: the set of ids seen, not the rows."""
+    batches from the last back (those in beat's spool from there, given the spool). A
+    regenerated prompt has an older row in an earlier batch; it is skipped. Memory: the set of
+    ids seen, not the rows."""
     seen: set[str] = set()
     k = JobKeys(job)
     last = "+"
@@ -416,7 +508,7 @@ def iter_newest_rows(r: redis.Redis, storage: Storage, job: str) -> Iterator[dic
     records = sorted((json.loads(v) for v in r.hvals(k.manifest)), key=lambda rec: rec["name"],
                      reverse=True)
     for record in records:
-        for row in reversed(read_batch(storage, record)):
+        for row in reversed(read_batch_anywhere(r, storage, job, record, spool=spool)):
             if row["id"] not in seen:
                 seen.add(row["id"])
                 yield row
