@@ -51,9 +51,22 @@ def main() -> None:
         assert result.exit_code == 0, result.output
         json.loads(result.output)
 
+    def tick_ms() -> float:
+        """Median of `repeat` whole ticks. Beat's own tick may hold the job's lock (a running
+        deployment): a call that skipped measured nothing, so it is made again, untimed."""
+        times, deadline = [], time.monotonic() + 60
+        while len(times) < args.repeat + 1 and time.monotonic() < deadline:
+            t = time.perf_counter()
+            ran = tick_job(args.job) is not None
+            if ran:
+                times.append((time.perf_counter() - t) * 1000)
+            else:
+                time.sleep(0.05)
+        return statistics.median(times[1:] or times) if times else float("nan")
+
     out = {"status_ms": median_ms(status, args.repeat),
            "snapshot_ms": median_ms(lambda: snapshot(r, args.job, s), args.repeat),
-           "tick_ms": median_ms(lambda: tick_job(args.job), args.repeat)}
+           "tick_ms": tick_ms()}
     print(json.dumps(out))
 
 

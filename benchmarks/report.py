@@ -28,13 +28,6 @@ def table(res: dict) -> list[str]:
             rows.append(("3", f"slot occupancy until the pending work runs out ({label})",
                          "≥ 0.98", f"{c['ours']['occupancy']:.4f}", f"{c['baseline']['occupancy']:.4f}",
                          c["ours"]["occupancy"] >= 0.98))
-    c7 = res.get("case7")
-    if c7:
-        rows.append(("7", f"end game: makespan / ideal, {c7['ours']['requests']:,} prompts"
-                          f" (~{c7['ours']['requests'] / (cfg['servers'] * cfg['slots']):.0f} per"
-                          f" slot), one server {cfg['slow_factor']:g}x slower", "≤ 1.10",
-                     f"{c7['ours']['ratio']:.3f}", f"{c7['baseline']['ratio']:.3f}",
-                     c7["ours"]["ratio"] <= 1.10))
     c4, noop = res.get("case4"), res.get("noop")
     if c4:
         rows.append(("4", f"completions/s end to end, servers answering at once ({cfg['servers']} GPU"
@@ -74,6 +67,13 @@ def table(res: dict) -> list[str]:
              f"{c6['ids_doubled']} doubled, {c6['ids_missing']} missing", "—",
              c6["ids_doubled"] == 0 and c6["ids_missing"] == 0 and c6["ids_unknown"] == 0),
         ]
+    c7 = res.get("case7")
+    if c7:
+        rows.append(("7", f"end game: makespan / ideal, {c7['ours']['requests']:,} prompts"
+                          f" (~{c7['ours']['requests'] / (cfg['servers'] * cfg['slots']):.0f} per"
+                          f" slot), one server {cfg['slow_factor']:g}x slower", "≤ 1.10",
+                     f"{c7['ours']['ratio']:.3f}", f"{c7['baseline']['ratio']:.3f}",
+                     c7["ours"]["ratio"] <= 1.10))
     c8 = res.get("case8")
     if c8:
         o = c8["ours"]
@@ -316,7 +316,10 @@ def _gaps(res: dict) -> list[str]:
             f" prompts per slot (what two cores can push through {c8['gpus']} workers in a few"
             f" minutes), so the end of the run weighs: the longest request alone is"
             f" {c8['longest_s']:.0f} s of the {c8['ideal_s']:.0f} s ideal, and a zero-overhead"
-            f" dispatcher computed on the same prompts ends at {c8['dynamic_ref']:.3f}x.")
+            f" dispatcher computed on the same prompts ends at {c8['dynamic_ref']:.3f}x. The"
+            f" deployment's processes used {sum(c8['cpu_s'].values()) / c8['wall_s']:.2f} of the"
+            " machine's 2 cores (the benchmark's own polling of 64 servers besides): a worker"
+            " not scheduled in time leaves its server's queued requests to run dry.")
     c6 = res.get("case6")
     if c6 and (c6["ids_doubled"] or c6["ids_missing"] or c6["ids_unknown"]
                or c6["memory_peak_during"] - c6["memory_before"] > c6["batch_rows"] * c6["mean_row_bytes"]):
