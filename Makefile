@@ -34,7 +34,7 @@ test-sglang: install
 demo: install
 	$(PY) -m dflash_dev.demo
 
-# The performance benchmark (about half an hour on 2 cores): prints the table and writes
+# The performance benchmark (about twenty minutes on 2 cores): prints the table and writes
 # benchmarks/RESULTS.md, and the README's Performance section after a full run.
 bench: install
 	$(PY) -m benchmarks
