@@ -88,9 +88,9 @@ task_default_queue = CONTROL_QUEUE
 task_create_missing_queues = True
 
 # Task events only while someone watches: Flower asks every worker to send them (its
-# enable_events broadcast, every 5 s while it runs), and they cost a GPU worker about 29% of its
-# CPU at hundreds of completions a second (benchmarks/RESULTS.md, case 4). Workers' heartbeat
-# events go out either way.
+# enable_events broadcast, every 5 s while it runs), and they cost a GPU worker a good share of
+# its CPU at hundreds of completions a second (benchmarks/RESULTS.md, case 4: the rate with
+# Flower on and off). Workers' heartbeat events go out either way.
 task_send_sent_event = True
 worker_send_task_events = False
 

@@ -76,8 +76,8 @@ def durable(what: str, fn: Callable[..., T], *args, **kwargs) -> T:
 
 
 # No stored result: the ledger holds every outcome (rows, counters, the failed registry), and
-# Flower sees each task's result in its events; storing it cost a GPU worker about a tenth of its
-# CPU at hundreds of completions a second (benchmarks/RESULTS.md, case 4).
+# Flower sees each task's result in its events; storing it cost a GPU worker a SETEX and a PUBLISH
+# per completion (benchmarks/RESULTS.md, case 4: the profile's "result backend").
 @app.task(name=GENERATE_TASK, bind=True, max_retries=None, throws=(PromptFailed,), ignore_result=True)
 def generate(self, job: str, prompt_id: str, gpu: str, tries: int = 0) -> dict:
     try:

@@ -160,8 +160,8 @@ def _quiet_httpx(**_):
 
 
 def _quiet_per_task_lines(loglevel=logging.INFO, **_):
-    """Celery logs two INFO lines per task (received, succeeded): 7% of a GPU worker's CPU at
-    hundreds of completions a second (benchmarks/RESULTS.md, case 4), and nothing the ledger,
+    """Celery logs two INFO lines per task (received, succeeded): CPU a GPU worker feels at
+    hundreds of completions a second (benchmarks/RESULTS.md, case 4), for nothing the ledger,
     progress.json and Flower do not say better. They come back with --loglevel DEBUG. Retries,
     failures and the worker's own lines are logged as before."""
     if isinstance(loglevel, str):
