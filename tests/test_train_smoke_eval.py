@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from test_training_data import write_batches
 from test_training_reference import row
-from tiny_target import build_tiny_target
+from tiny_target import build_tiny_target, one_torch_thread  # noqa: F401  (a fixture)
 
 from dflash_dev.sim import tokens as sim
 from dflash_tasks.training.reference import blocks as blocks_module
@@ -25,17 +24,10 @@ from dflash_tasks.training.reference.speculation import Acceptance, continuation
 from dflash_tasks.training.reference.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 JOB = "smk"
 BLOCK = 4
 SMOKE_STEPS = 100  # tau 4.0 of 4 after 100 steps on the seeds tried; 3.2 is needed
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # steadier than 2 on a loaded 2-core machine
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_training_data import write_batches
-from tiny_target import build_tiny_target
+from tiny_target import build_tiny_target, one_torch_thread  # noqa: F401  (a fixture)
 
 from dflash_dev.sim import tokens as sim
 from dflash_tasks.training.reference import (
@@ -35,17 +35,10 @@ from dflash_tasks.training.reference.evaluate import greedy_continuation
 from dflash_tasks.training.reference.model import Drafter
 from dflash_tasks.training.reference.target import default_layer_ids, layer_ids, load_target
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 JOB = "greedy"
 BLOCK = 4
 STEPS = 250
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # steadier than 2 on a loaded 2-core machine
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

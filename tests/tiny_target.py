@@ -5,7 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from tokenizer_support import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a test module's training: steadier than 2 on a loaded 2-core
+    machine. A module uses it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`
+    after importing it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def build_tiny_target(dest: Path, layers: int = 4, seed: int = 0) -> Path:
