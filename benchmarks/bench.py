@@ -417,7 +417,7 @@ def outage_case(cfg: Config, work: Path, dataset: Path) -> dict:
                 wait_until(lambda: time.monotonic() - cut_at >= cfg.outage_s, timeout=cfg.outage_s + 5,
                            interval=0.5)
                 restored_at, done_at_restore = time.monotonic(), completed()
-                spooled_peak = len(list(spool.glob("*"))) if spool.exists() else 0
+                spooled_at_restore = len(list(spool.glob("*"))) if spool.exists() else 0
                 proxy = TcpProxy(moto.port, port=proxy.port).start()
                 wait_until(lambda: r.hget(k.config, "status") == b"done"
                            and not (spool.exists() and any(spool.glob("*"))),
@@ -439,7 +439,7 @@ def outage_case(cfg: Config, work: Path, dataset: Path) -> dict:
     half = memory.between((cut_at + restored_at) / 2, restored_at)
     return {"prompts": n, "outage_s": restored_at - cut_at,
             "rows_during_outage": done_at_restore - done_at_cut,
-            "spooled_batches_at_restore": spooled_peak,
+            "spooled_batches_at_restore": spooled_at_restore,
             "memory_before": max(before), "memory_peak_during": max(during),
             "memory_peak_second_half": max(half), "memory_end_of_outage": during[-1],
             "memory_series": [(round(t - cut_at, 1), m) for t, m in memory.samples],
@@ -502,9 +502,7 @@ def many_gpus_case(cfg: Config, work: Path, dataset: Path, unit_times: list[floa
         startup_s = time.monotonic() - t
         r = redis.Redis.from_url(url)
         k = JobKeys("many")
-        pids = {f"{kind}-{c.node}-{n}": p.pid for c in clusters for n, p in c.named.items()
-                for kind in [n.rstrip("0123456789")]}
-        rss_idle = {n: rss_bytes(p) for n, p in pids.items()}
+        pids = {f"{c.node}/{n}": p.pid for c in clusters for n, p in c.named.items()}
         log(f"case 8: {cfg.many_prompts:,} prompts over {n_gpus} GPUs (started in {startup_s:.0f} s)")
         with measure.ServerPoller(urls, interval=1.0) as poller:
             meter = measure.CpuMeter(pids).start()
@@ -528,16 +526,11 @@ def many_gpus_case(cfg: Config, work: Path, dataset: Path, unit_times: list[floa
     completed = counters.get("completed", 0)
     memory: dict[str, dict] = {}
     for name, busy in rss_busy.items():
-        kind = name.split("-")[0]
-        m = memory.setdefault(kind, {"processes": 0, "total": 0, "largest": 0, "idle_total": 0})
+        m = memory.setdefault(measure.process_kind(name), {"processes": 0, "total": 0, "largest": 0})
         m["processes"] += 1
         m["total"] += busy
         m["largest"] = max(m["largest"], busy)
-        m["idle_total"] += rss_idle.get(name, 0)
-    cpu: dict[str, float] = {}
-    for name, used in meter.used.items():
-        kind = name.split("-")[0]
-        cpu[kind] = cpu.get(kind, 0.0) + used
+    cpu = meter.grouped()
     return {"nodes": len(nodes), "gpus": n_gpus, "slots": cfg.many_slots, "prompts": cfg.many_prompts,
             "startup_s": startup_s, "ideal_s": ideal, "longest_s": max(unit_times),
             "dynamic_ref": measure.dynamic_makespan(unit_times, [cfg.many_slots] * n_gpus,

@@ -173,9 +173,14 @@ class CpuMeter:
         """CPU seconds per kind of process (sim0..3 -> sim, worker0..3 -> worker)."""
         out: dict[str, float] = {}
         for name, used in self.used.items():
-            kind = name.rstrip("0123456789")
+            kind = process_kind(name)
             out[kind] = out.get(kind, 0.0) + used
         return out
+
+
+def process_kind(name: str) -> str:
+    """A process's kind from its name: "worker3" and "node2/worker3" are workers."""
+    return name.rsplit("/", 1)[-1].rstrip("0123456789")
 
 
 def machine_cpu_seconds() -> float:
