@@ -97,9 +97,23 @@ def set_params(name: str, max_output_tokens, temperature, top_p, top_k, thinking
 @click.option("--job", "name", required=True)
 @click.confirmation_option(prompt="Remove this job and all its prompts from Redis?")
 def delete(name: str) -> None:
-    """Remove a job (not running) and every Redis key it has; batches already shipped stay in
-    the output directory or bucket."""
+    """Remove a job (not running) and every Redis key it has, and its prompt bodies kept on
+    storage (`enqueue --bodies storage`); batches already shipped stay in the output directory
+    or bucket."""
+    from dflash_tasks.core.settings import get_settings
+    from dflash_tasks.ledger.bodies import remove_chunks
+    from dflash_tasks.output.storage import StorageError
+
     r = redis_or_fail()
     allowed_or_fail("delete", job_or_fail(r, name))
+    location = jobs.body_location(r, name)
     removed = jobs.delete(r, name)
     console.print(f"job {name}: deleted ({removed} Redis keys); its shipped batches are kept")
+    if location is not None:
+        # After the keys: once they are gone nothing reads a chunk, whatever happens here.
+        try:
+            chunks = remove_chunks(location, name, get_settings())
+        except StorageError as exc:
+            raise click.ClickException(f"job {name}: its prompt chunks under {location} could "
+                                       f"not be removed ({exc}); remove {name}/prompts/ there by hand") from None
+        console.print(f"job {name}: {chunks:,} chunks of prompt bodies removed from {location}")

@@ -36,15 +36,21 @@ from dflash_tasks.core.settings import get_settings
                    "(gpu0@node-a,gpu1@node-b). [all; a resumed job keeps its own]")
 @click.option("--nodes", metavar="all|NODES",
               help="Only these nodes' GPUs (node-a,node-b). [all; a resumed job keeps its own]")
+@click.option("--bodies", type=click.Choice(["redis", "storage"]), default="redis", show_default=True,
+              help="Where the prompts' texts wait: in Redis (about 750 B a prompt), or in chunks "
+                   "on the output storage (S3, or an output directory every node shares) with "
+                   "Redis holding about 100 B a prompt: for millions of prompts.")
 @click.option("--follow", is_flag=True, help="Show progress until the job is done.")
 def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top_k, thinking,
-            limit, gpus, nodes, follow) -> None:
+            limit, gpus, nodes, bodies, follow) -> None:
     """Store a dataset's prompts as a job and start dispatching them; resumes a known job."""
     from dflash_tasks import dispatch
     from dflash_tasks.core.keys import check_job_name
     from dflash_tasks.ingest.loader import CHUNK, PromptLoader
     from dflash_tasks.ingest.prompts import DatasetError, ReadSummary, read_prompts
     from dflash_tasks.ledger import shared_ledger
+    from dflash_tasks.ledger.bodies import ChunkWriter, remove_chunks
+    from dflash_tasks.output.storage import StorageError
     from dflash_tasks.tasks.app import app
 
     try:
@@ -78,7 +84,13 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
     # Chunks are stored by a sender thread while the next ones are read; on a resume only the
     # prompts the job does not know yet are encoded and sent (loader.py).
     book = shared_ledger()
-    loader = PromptLoader(r, book, name, resume=existing is not None)
+    try:
+        store_bodies = ChunkWriter(r, name, get_settings()) if bodies == "storage" else None
+        loader = PromptLoader(r, book, name, resume=existing is not None, store_bodies=store_bodies)
+    except BaseException:
+        if existing is None:
+            jobs.delete(r, name)
+        raise
     try:
         prompts = read_prompts(dataset, limit=limit, summary=summary)
         with Progress(SpinnerColumn(), TextColumn("[bold]reading {task.description}"),
@@ -95,12 +107,18 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
         loader.abandon()
         if existing is None:
             jobs.delete(r, name)
+            if store_bodies is not None:
+                try:
+                    remove_chunks(store_bodies.location, name, get_settings())
+                except StorageError as cleanup:
+                    err_console.print(f"[yellow]job {name}: its prompt chunks could not be "
+                                      f"removed ({cleanup}); remove them by hand[/]")
         elif loader.added:
             err_console.print(f"[yellow]job {name}: {loader.added:,} new prompts were stored "
                               "before the error; enqueueing the fixed dataset again adds the rest[/]")
             if existing.status == lifecycle.DONE:  # a done job has every prompt answered
                 jobs.transition(r, name, lifecycle.DONE, lifecycle.RUNNING)
-        if isinstance(exc, DatasetError):
+        if isinstance(exc, (DatasetError, StorageError)):
             what = "not created" if existing is None else \
                 f"kept its {loader.added:,} new prompts" if loader.added else "unchanged"
             raise click.ClickException(f"{exc} (job {name} {what})") from None

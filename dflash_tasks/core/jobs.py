@@ -167,6 +167,22 @@ def update_params(r: redis.Redis, name: str, **changes) -> tuple[GenerationParam
     return job.params, new
 
 
+def body_location(r: redis.Redis, name: str, wanted: str | None = None) -> str | None:
+    """Where the job's prompt bodies are kept on storage (ledger/bodies.py), or None while they
+    are all in Redis. With `wanted`, the first caller's location becomes the job's; later ones
+    get that one back, so every chunk of a job is in one place."""
+    k = JobKeys(name)
+    if wanted is not None:
+        r.hsetnx(k.config, "bodies", wanted)
+    found = r.hget(k.config, "bodies")
+    return found.decode() if found is not None else None
+
+
+def next_body_chunk(r: redis.Redis, name: str) -> int:
+    """A chunk number no other enqueue of the job has used (chunk objects are never rewritten)."""
+    return int(r.hincrby(JobKeys(name).config, "body_chunks", 1))
+
+
 def delete(r: redis.Redis, name: str) -> int:
     """Remove every Redis key of the job and its name; batches already shipped stay where they
     are. Returns how many keys were removed."""

@@ -1,18 +1,21 @@
 """Bulk enqueue: a dataset's prompts into a job's ledger, a chunk per Lua call, pipelined.
 
-The caller (the reader) parses and writes each conversation's JSON; a sender thread compresses it
-(zstd releases the GIL) and waits on Redis, so reading chunk n+1 overlaps compressing and storing
-chunk n, on the machine's other core. On a
-resume the ids of each chunk are checked first (`unknown_ids.lua`, ids only), and only the prompts
-the job does not know are encoded and sent: enqueueing a dataset again costs one read of it.
+The caller (the reader) parses the dataset; a sender thread writes each conversation's JSON,
+compresses it (zstd releases the GIL) and waits on Redis, so reading chunk n+1 overlaps storing
+chunk n, on the machine's other core. On a resume the sender first checks the chunk's ids
+(`unknown_ids.lua`, ids only), and only the prompts the job does not know are encoded and sent:
+enqueueing a dataset again costs one read of it, the checks overlapping the reading.
 add_prompts.lua stays the authority (it checks again, atomically), so the check is only a
 shortcut.
+
+With `store_bodies` (`enqueue --bodies storage`, ledger/bodies.py) each chunk's frames go to the
+output storage as one object, and Redis gets their references instead.
 """
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import redis
 
@@ -26,10 +29,12 @@ DEPTH = 2      # chunks encoded ahead of the one Redis is storing
 
 
 class PromptLoader:
-    def __init__(self, client: redis.Redis, book: Ledger, job: str, *, resume: bool):
+    def __init__(self, client: redis.Redis, book: Ledger, job: str, *, resume: bool,
+                 store_bodies: Callable[[list[bytes]], list[bytes]] | None = None):
         self.r, self.book, self.job = client, book, job
         self.keys = JobKeys(job)
         self.resume = resume
+        self.store_bodies = store_bodies
         self.added = 0
         self.sent = 0
         self._queue: queue.Queue = queue.Queue(maxsize=DEPTH)
@@ -40,11 +45,8 @@ class PromptLoader:
     def add(self, prompts: Sequence[Prompt]) -> None:
         """Queue one chunk (at most a few thousand prompts) for storing."""
         self._raise_if_failed()
-        if self.resume and prompts:
-            positions = self.book.unknown_positions(self.job, [p.id for p in prompts])
-            prompts = [prompts[i] for i in positions]
         if prompts:
-            self._queue.put([(p.id, messages_json(p.messages).encode("utf-8")) for p in prompts])
+            self._queue.put(list(prompts))
 
     def add_all(self, prompts: Iterable[Prompt], chunk: int = CHUNK, progress=None) -> int:
         batch: list[Prompt] = []
@@ -87,13 +89,19 @@ class PromptLoader:
             raise error
 
     def _send_loop(self) -> None:
-        while (pairs := self._queue.get()) is not None:
+        while (prompts := self._queue.get()) is not None:
             if self._error is not None:
                 continue  # drain without sending after a failure
             try:
-                frames = compress_many([data for _, data in pairs])
-                pairs = [(pid, frame) for (pid, _), frame in zip(pairs, frames)]
-                self.added += self.book.add_prompts(self.job, pairs)
-                self.sent += len(pairs)
+                if self.resume:
+                    positions = self.book.unknown_positions(self.job, [p.id for p in prompts])
+                    prompts = [prompts[i] for i in positions]
+                if not prompts:
+                    continue
+                stored = compress_many([messages_json(p.messages).encode("utf-8") for p in prompts])
+                if self.store_bodies is not None:
+                    stored = self.store_bodies(stored)
+                self.added += self.book.add_prompts(self.job, [(p.id, s) for p, s in zip(prompts, stored)])
+                self.sent += len(prompts)
             except BaseException as exc:  # re-raised in the caller's thread
                 self._error = exc

@@ -20,6 +20,7 @@ import redis
 from dflash_tasks.core.connections import redis_client
 from dflash_tasks.core.keys import BREAKERS, MEMORY_HOLD, WORKERS, WORKERS_SEEN, JobKeys, queue_for
 from dflash_tasks.core.settings import Settings, get_settings
+from dflash_tasks.ledger import bodies
 from dflash_tasks.ledger.messages import decode_messages, encode_messages
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,14 @@ class TaskState:
     continuation: dict | None = None  # a truncated output to continue (regenerate --continue)
     # Dispatched to this GPU and not recalled since (a message of a recalled prompt is stale).
     in_flight_here: bool = True
+    # A body kept on storage (bodies.py): `messages` is None, and the task reads it from there.
+    body_reference: bytes | None = None
+    body_location: str | None = None
+
+    @property
+    def stored(self) -> bool:
+        """The prompt is still in the job's `prompts` (in Redis or as a reference)."""
+        return self.messages is not None or self.body_reference is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,20 +135,23 @@ class Ledger:
     def task_state(self, job: str, prompt_id: str, gpu: str) -> TaskState:
         k = JobKeys(job)
         pipe = self.r.pipeline(transaction=False)
-        pipe.hget(k.config, "params")
+        pipe.hmget(k.config, "params", "bodies")
         pipe.hget(k.prompts, prompt_id)
         pipe.sismember(k.done, prompt_id)
         pipe.hexists(k.failed, prompt_id)
         pipe.zscore(k.inflight(gpu), prompt_id)
-        params, entry, done, failed, here = pipe.execute()
+        (params, location), entry, done, failed, here = pipe.execute()
+        flags = dict(params=json.loads(params) if params else None, done=bool(done),
+                     failed=bool(failed), in_flight_here=here is not None)
+        if entry and bodies.is_reference(entry):
+            return TaskState(messages=None, body_reference=entry,
+                             body_location=location.decode() if location else None, **flags)
         entry = decode_messages(entry) if entry else None
         # A regenerated prompt is stored as {"messages", "continue"?} (reopen.lua), a new one as
         # its bare list of messages.
         messages, continuation = (entry["messages"], entry.get("continue")) \
             if isinstance(entry, dict) else (entry, None)
-        return TaskState(params=json.loads(params) if params else None, messages=messages,
-                         done=bool(done), failed=bool(failed), continuation=continuation,
-                         in_flight_here=here is not None)
+        return TaskState(messages=messages, continuation=continuation, **flags)
 
     def reopen(self, job: str, ended: EndedRow, entry: str | bytes, continued_tokens: int) -> bool:
         """Take a done prompt back for regeneration (reopen.lua), `entry` becoming its stored

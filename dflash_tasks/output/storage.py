@@ -12,6 +12,7 @@ import base64
 import hashlib
 import io
 import os
+import shutil
 import tempfile
 import threading
 from functools import lru_cache
@@ -48,6 +49,8 @@ class StorageNotFound(StorageError, FileNotFoundError):
 class Storage(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
     def get(self, key: str) -> bytes: ...
+    def get_range(self, key: str, offset: int, length: int) -> bytes: ...
+    def delete_prefix(self, key_prefix: str) -> int: ...
     def exists(self, key: str) -> bool: ...
     def location(self, key: str) -> str: ...
 
@@ -116,6 +119,30 @@ class LocalStorage:
             return self._path(key).read_bytes()
         except FileNotFoundError:
             raise StorageNotFound(f"{self.location(key)}: no such file") from None
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset`: exactly those, or StorageError (a truncated file)."""
+        try:
+            with open(self._path(key), "rb") as f:
+                data = os.pread(f.fileno(), length, offset)
+        except FileNotFoundError:
+            raise StorageNotFound(f"{self.location(key)}: no such file") from None
+        except OSError as exc:
+            raise StorageError(f"{self.location(key)}: cannot read: {exc}") from None
+        if len(data) != length:
+            raise StorageError(f"{self.location(key)}: {len(data)} bytes at offset {offset}, "
+                               f"expected {length} (the file is shorter than its references)")
+        return data
+
+    def delete_prefix(self, key_prefix: str) -> int:
+        """Remove the directory `key_prefix` names (a key prefix ending in "/") and every file
+        under it; returns how many files went."""
+        directory = self._path(key_prefix.rstrip("/"))
+        if not directory.is_dir():
+            return 0
+        files = sum(1 for p in directory.rglob("*") if p.is_file())
+        shutil.rmtree(directory)
+        return files
 
     def exists(self, key: str) -> bool:
         return (self.root / key).exists()
@@ -231,6 +258,37 @@ class S3Storage:
             return self.client.get_object(Bucket=self.bucket, Key=self.key_for(key))["Body"].read()
         except Exception as exc:
             raise self._error("download", key, exc) from None
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset`, by a ranged GET: exactly those, or StorageError."""
+        try:
+            data = self.client.get_object(Bucket=self.bucket, Key=self.key_for(key),
+                                          Range=f"bytes={offset}-{offset + length - 1}")["Body"].read()
+        except Exception as exc:
+            raise self._error("download", key, exc) from None
+        if len(data) != length:
+            raise StorageError(f"S3 download {self.location(key)}: {len(data)} bytes at offset "
+                               f"{offset}, expected {length} (the object is shorter than its references)")
+        return data
+
+    def delete_prefix(self, key_prefix: str) -> int:
+        """Remove every object under a relative prefix; returns how many went."""
+        keys = self.list(key_prefix)
+        try:
+            for first in range(0, len(keys), 1000):  # DeleteObjects takes 1,000 keys at most
+                answer = self.client.delete_objects(Bucket=self.bucket, Delete={
+                    "Objects": [{"Key": self.key_for(k)} for k in keys[first:first + 1000]],
+                    "Quiet": True})
+                if answer.get("Errors"):
+                    first_error = answer["Errors"][0]
+                    raise StorageError(f"S3 delete {self.location(key_prefix)}: "
+                                       f"{len(answer['Errors'])} objects not deleted, the first "
+                                       f"{first_error.get('Key')}: {first_error.get('Code')}")
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise self._error("delete", key_prefix, exc) from None
+        return len(keys)
 
     def exists(self, key: str) -> bool:
         try:

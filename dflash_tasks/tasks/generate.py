@@ -11,6 +11,9 @@ What each failure does (docs/WHEN_THINGS_FAIL.md has the operator's side):
 - the server stops answering: the worker's circuit breaker (worker/breaker.py) opens, and tasks wait
   *before* sending their request, so they spend no attempt; after `breaker_wait_s` a task puts
   its prompt back in the queue and frees its thread;
+- the prompt's body cannot be read (kept on the output storage by `enqueue --bodies storage`, and
+  S3 is out): retried with backoff without spending an attempt, since nothing was sent; its chunk
+  gone altogether: straight to the failed registry ("prompt_body_missing");
 - Redis goes away mid-task (a restart): ledger writes are retried for `redis_outage_s`; every
   write is idempotent per prompt id, so a write that succeeded before the reply was lost is not
   counted twice;
@@ -36,6 +39,9 @@ from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.core.keys import GENERATE_TASK, queue_for
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.dispatch import topup
+from dflash_tasks.ledger import bodies
+from dflash_tasks.ledger.messages import decode_messages
+from dflash_tasks.output.storage import StorageError, StorageNotFound, storage_at
 from dflash_tasks.output.rows import build_row
 from dflash_tasks.sglang import PermanentError, SGLangError, TransientError
 from dflash_tasks.sglang.continuation import continue_generation
@@ -106,13 +112,17 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
     if state.failed:
         book.drop_inflight(job, gpu, prompt_id)
         return {"id": prompt_id, "skipped": "in the failed registry (see retry-failed)"}
-    if state.messages is None or state.params is None:
+    if not state.stored or state.params is None:
         book.drop_inflight(job, gpu, prompt_id)
         return {"id": prompt_id, "skipped": "not pending (job removed)"}
     if not state.in_flight_here:
         # Recalled from this GPU (a cancel, a GPU the job no longer uses, this worker given up
         # for gone) while the message waited: the prompt is pending again, or dispatched elsewhere.
         return {"id": prompt_id, "skipped": f"no longer dispatched to {gpu}"}
+    messages = state.messages if state.messages is not None else \
+        _read_body(self, job, prompt_id, gpu, tries, state)
+    if messages is None:
+        return {"id": prompt_id, "skipped": "done by another delivery, or its job deleted"}
     params = GenerationParams.from_dict(state.params)
     s = get_settings()
     client = runtime().client(gpu)
@@ -136,7 +146,7 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
             if state.continuation and len(state.continuation["response_ids"]) < params.max_tokens:
                 completion = continue_generation(client, state.continuation, params, rid)
             else:
-                completion = client.chat(state.messages, max_tokens=params.max_tokens,
+                completion = client.chat(messages, max_tokens=params.max_tokens,
                                          temperature=params.temperature, top_p=params.top_p,
                                          top_k=params.top_k,
                                          enable_thinking=params.enable_thinking, rid=rid)
@@ -160,13 +170,36 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
         circuit.record_success()  # the server answered
         _fail(job, prompt_id, gpu, exc, attempt)
     circuit.record_success()
-    row = build_row(prompt_id, state.messages, completion, job=job, gpu=gpu, params=params,
+    row = build_row(prompt_id, messages, completion, job=job, gpu=gpu, params=params,
                     attempts=attempt, server=server)
     recorded = durable("recording the row",
                        lambda: book.complete(job, prompt_id, gpu, row))
     return {"id": prompt_id, "finish_reason": completion.finish_reason,
             "completion_tokens": completion.completion_tokens, "attempts": attempt,
             **({} if recorded else {"skipped": "duplicate delivery"})}
+
+
+def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> list[dict] | None:
+    """The conversation of a prompt whose body is kept on storage (ledger/bodies.py). Storage
+    out (S3 unreachable, a slow disk) is waited out like a server that does not answer: nothing
+    was sent, so the retry spends no attempt. A chunk that is gone fails the prompt for good."""
+    try:
+        if state.body_location is None:
+            raise StorageNotFound(f"job {job} records no location for its prompt bodies")
+        storage = storage_at(state.body_location, get_settings())
+        return decode_messages(bodies.read_frame(storage, job, state.body_reference))
+    except StorageNotFound as exc:
+        _record_failure(job, prompt_id, gpu, reason="prompt_body_missing", klass="permanent",
+                        error=str(exc), status=None, attempts=tries)
+    except StorageError as exc:
+        if not durable("counting a retry", runtime().book.note_retry, job, prompt_id, gpu,
+                       "prompt_storage"):
+            return None
+        countdown = backoff_s(min(task.request.retries, 10))
+        log.warning("prompt %s on %s: cannot read its body (%s); again in %.1fs, no attempt "
+                    "spent", prompt_id, gpu, exc, countdown)
+        raise task.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
+                         args=(job, prompt_id, gpu), kwargs={"tries": tries})
 
 
 def _refill(job: str, gpu: str) -> None:

@@ -1,0 +1,98 @@
+"""Prompt bodies kept on the output storage instead of in Redis (`enqueue --bodies storage`).
+
+At ten million prompts the bodies alone would take 7.5 GB of Redis (about 750 B each, compressed).
+With this store the enqueue writes each chunk of prompts as one object of concatenated zstd frames,
+`<job>/prompts/chunk-<n>.zst` under the job's body location, and the `prompts` hash holds a
+reference of about 20 bytes per prompt instead of its frame:
+
+    @<chunk>:<offset>:<length>
+
+which no stored conversation starts with (a zstd frame starts with its magic number, JSON with
+`[` or `{`). The worker reads exactly those bytes back (a file read at an offset, or an S3 ranged
+GET) and decodes them as `messages.decode_messages` does any stored frame.
+
+The location (an absolute directory or an s3:// URI) is the job's, fixed by its first such enqueue
+(`jobs.body_location`): every chunk of a job is in one place, whatever the settings of the
+process that enqueues more later, and a worker finds it whatever its own. A local directory must
+then be shared by every node that runs the job's GPUs (S3 needs nothing more).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from dflash_tasks.core import jobs
+from dflash_tasks.core.settings import Settings
+from dflash_tasks.output.storage import Storage, StorageError, storage_at
+
+MARK = b"@"
+BODIES_DIR = "prompts"  # <job>/prompts/ under the location: the job's chunks and nothing else
+
+
+def is_reference(stored: bytes) -> bool:
+    return stored[:1] == MARK
+
+
+def chunk_key(job: str, chunk: int) -> str:
+    return f"{job}/{BODIES_DIR}/chunk-{chunk:06d}.zst"
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    chunk: int
+    offset: int
+    length: int
+
+    def encode(self) -> bytes:
+        return b"@%d:%d:%d" % (self.chunk, self.offset, self.length)
+
+    @classmethod
+    def parse(cls, stored: bytes) -> "Reference":
+        try:
+            chunk, offset, length = (int(part) for part in stored[1:].split(b":"))
+        except ValueError:
+            raise StorageError(f"not a prompt body reference: {stored[:40]!r}") from None
+        return cls(chunk, offset, length)
+
+
+def default_location(settings: Settings) -> str:
+    """Where a job's first `--bodies storage` enqueue puts them: beside its batches."""
+    return settings.s3_uri or str(settings.output_dir.resolve())
+
+
+class ChunkWriter:
+    """The loader's way to store a chunk of frames (loader.py): a new chunk number each time,
+    the object written before its references go to Redis, so no reference ever points at
+    nothing. A chunk whose prompts were all known meanwhile is left unreferenced (harmless, and
+    removed with the job)."""
+
+    def __init__(self, r: redis.Redis, job: str, settings: Settings):
+        self.r, self.job = r, job
+        self.location = jobs.body_location(r, job, wanted=default_location(settings))
+        self.storage = storage_at(self.location, settings)
+
+    def __call__(self, frames: list[bytes]) -> list[bytes]:
+        return write_chunk(self.storage, self.job, jobs.next_body_chunk(self.r, self.job), frames)
+
+
+def write_chunk(storage: Storage, job: str, chunk: int, frames: list[bytes]) -> list[bytes]:
+    """Store `frames` as chunk number `chunk` of the job; returns each frame's reference."""
+    refs, offset = [], 0
+    for frame in frames:
+        refs.append(Reference(chunk, offset, len(frame)).encode())
+        offset += len(frame)
+    storage.put(chunk_key(job, chunk), b"".join(frames))
+    return refs
+
+
+def read_frame(storage: Storage, job: str, stored: bytes) -> bytes:
+    """The zstd frame a reference points to. StorageNotFound when its chunk is gone (the job's
+    chunks were removed by hand), StorageError for anything else (S3 out: worth retrying)."""
+    ref = Reference.parse(stored)
+    return storage.get_range(chunk_key(job, ref.chunk), ref.offset, ref.length)
+
+
+def remove_chunks(location: str, job: str, settings: Settings) -> int:
+    """Remove every chunk of the job at its location; returns how many objects went."""
+    return storage_at(location, settings).delete_prefix(f"{job}/{BODIES_DIR}/")

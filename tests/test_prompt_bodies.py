@@ -1,0 +1,185 @@
+"""Prompt bodies kept on the output storage (`enqueue --bodies storage`, ledger/bodies.py): Redis
+holds a reference of about 20 bytes per prompt, the worker reads the body back with a ranged read,
+a storage outage is waited out without spending attempts, and `delete` takes the chunks away.
+Real Redis, real workers and beat, the simulated servers, and moto's S3 server over HTTP."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import redis
+from s3support import BUCKET, TcpProxy, assert_shipped_exactly_once, s3_cluster, storage
+from support import wait_until
+from test_pipeline import SIM_ARGS, assert_exactly_once, dataset
+
+from dflash_tasks.core import jobs
+from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.settings import Settings
+from dflash_tasks.ingest.loader import PromptLoader
+from dflash_tasks.ingest.prompts import Prompt
+from dflash_tasks.ledger import Ledger, bodies
+from dflash_tasks.ledger.messages import decode_messages
+from dflash_tasks.output.storage import LocalStorage, StorageError, StorageNotFound
+
+
+def prompts(n: int, start: int = 0) -> list[Prompt]:
+    return [Prompt(id=f"p{i}", messages=({"role": "user", "content": f"question {i} ✓ " * (i % 7 + 1)},),
+                   line=i) for i in range(start, start + n)]
+
+
+def chunk_files(root, job: str) -> list[str]:
+    return sorted(p.name for p in (root / job / bodies.BODIES_DIR).glob("*.zst"))
+
+
+def test_references_in_redis_bodies_in_chunks_and_a_resume_writes_only_new_ones(redis_url, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    book, k = Ledger(r), JobKeys("refs")
+    jobs.save(r, "refs", jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d")
+    settings = Settings(output_dir=tmp_path / "out")
+    writer = bodies.ChunkWriter(r, "refs", settings)
+    assert writer.location == str((tmp_path / "out").resolve())
+    first = prompts(2500)
+    assert PromptLoader(r, book, "refs", resume=False, store_bodies=writer).add_all(iter(first), chunk=1000) == 2500
+    assert chunk_files(tmp_path / "out", "refs") == [f"chunk-00000{n}.zst" for n in (1, 2, 3)]
+    for p in (first[0], first[999], first[1000], first[2499]):
+        stored = r.hget(k.prompts, p.id)
+        assert bodies.is_reference(stored) and len(stored) <= 24, stored
+        frame = bodies.read_frame(LocalStorage(tmp_path / "out"), "refs", stored)
+        assert decode_messages(frame) == list(p.messages)
+
+    # What a worker reads: no messages in Redis, the job's location beside the reference.
+    state = book.task_state("refs", "p7", "gpu0@n")
+    assert state.messages is None and state.stored
+    assert state.body_reference == r.hget(k.prompts, "p7")
+    assert state.body_location == writer.location
+
+    # A resume with 2,000 done and 300 new prompts writes one more chunk, of the new ones only,
+    # and a later enqueue from elsewhere keeps the job's first location.
+    done = [p.id for p in first[:2000]]
+    r.sadd(k.done, *done)
+    r.hdel(k.prompts, *done)
+    r.ltrim(k.pending, 2000, -1)
+    elsewhere = bodies.ChunkWriter(r, "refs", Settings(output_dir=tmp_path / "other"))
+    assert elsewhere.location == writer.location
+    again = PromptLoader(r, book, "refs", resume=True, store_bodies=elsewhere)
+    assert again.add_all(iter(first + prompts(300, start=2500)), chunk=1000) == 300
+    assert chunk_files(tmp_path / "out", "refs")[-1] == "chunk-000004.zst"
+    new_refs = [bodies.Reference.parse(r.hget(k.prompts, f"p{i}")) for i in range(2500, 2800)]
+    assert {ref.chunk for ref in new_refs} == {4}
+    assert len(LocalStorage(tmp_path / "out").get("refs/prompts/chunk-000004.zst")) == \
+        sum(ref.length for ref in new_refs)
+    assert r.llen(k.pending) == 800
+
+
+def test_storage_ranged_reads_and_prefix_removal_locally_and_on_s3(tmp_path, moto):
+    local = LocalStorage(tmp_path)
+    remote = storage(moto.url)
+    for st in (local, remote):
+        st.put("job/prompts/chunk-000001.zst", b"0123456789")
+        st.put("job/prompts/chunk-000002.zst", b"abc")
+        st.put("job/batches/keep.jsonl.zst", b"rows")
+        assert st.get_range("job/prompts/chunk-000001.zst", 3, 4) == b"3456"
+        with pytest.raises(StorageError, match="expected 5"):
+            st.get_range("job/prompts/chunk-000002.zst", 1, 5)  # past the end: never half a body
+        with pytest.raises(StorageNotFound):
+            st.get_range("job/prompts/chunk-000009.zst", 0, 1)
+        assert st.delete_prefix("job/prompts/") == 2
+        assert not st.exists("job/prompts/chunk-000001.zst")
+        assert st.get("job/batches/keep.jsonl.zst") == b"rows"
+        assert st.delete_prefix("job/prompts/") == 0
+    with pytest.raises(StorageError, match="outside"):
+        local.delete_prefix("../elsewhere/")
+
+
+def test_a_run_with_bodies_on_local_storage_then_delete_takes_the_chunks(cluster, tmp_path):
+    c = cluster()
+    for gpu in (0, 1):
+        c.start_server(gpu, *SIM_ARGS)
+        c.start_worker(gpu)
+    c.start_beat()
+    path, ids = dataset(tmp_path, 1500)
+    c.manage("enqueue", "--dataset", str(path), "--job", "local", "--gpus", "2", "--bodies", "storage")
+    # Redis holds references only; the bodies are two chunks under the output directory.
+    stored = c.r.hvals(JobKeys("local").prompts)
+    assert stored and all(bodies.is_reference(s) for s in stored)
+    assert chunk_files(c.output_dir, "local") == ["chunk-000001.zst", "chunk-000002.zst"]
+    c.wait_done("local")
+    rows = assert_exactly_once(c, "local", ids)
+    asked = {json.loads(line)["id"]: json.loads(line)["prompt"] for line in path.read_text().splitlines()}
+    assert all(row["conversations"][0] == {"role": "user", "content": asked[row["id"]]} for row in rows)
+    assert {row["metadata"]["attempts"] for row in rows} == {1}
+
+    out = c.manage("delete", "--job", "local", "--yes")
+    assert "2 chunks of prompt bodies removed" in out.stdout
+    assert not (c.output_dir / "local" / bodies.BODIES_DIR).exists()
+    assert list((c.output_dir / "local" / "batches").iterdir()), "shipped batches stay"
+
+
+def test_s3_out_while_bodies_are_read_spends_no_attempt_and_loses_nothing(cluster, moto, tmp_path):
+    proxy = TcpProxy(moto.port).start()
+    # The tests' cluster retries after at most 2 s instead of the deployed 120 s, so the outage
+    # test ends soon after S3 is back; the retry path taken is the same.
+    c = s3_cluster(cluster, proxy.url, batch_rows=100)
+    path, ids = dataset(tmp_path, 600)
+    c.manage("enqueue", "--dataset", str(path), "--job", "cut", "--gpus", "1", "--bodies", "storage")
+    st = storage(moto.url)
+    assert st.list("cut/prompts/") == ["cut/prompts/chunk-000001.zst"]
+    proxy.stop()
+    try:
+        c.start_server(0, *SIM_ARGS)
+        c.start_worker(0)
+        c.start_beat()
+        # Every prompt dispatched waits on the storage: retried, counted, nothing generated.
+        wait_until(lambda: int(c.r.hget("dflash:{cut}:counters", "retry:prompt_storage") or 0) >= 100,
+                   timeout=120, what="the worker to wait out the storage")
+        assert int(c.r.hget("dflash:{cut}:counters", "completed") or 0) == 0
+        assert int(c.r.hget("dflash:{cut}:counters", "failed") or 0) == 0
+    finally:
+        proxy.start()
+    c.wait_done("cut", timeout=240)
+    _, rows = assert_shipped_exactly_once(c, st, "cut", ids)
+    assert {row["metadata"]["attempts"] for row in rows} == {1}, "a storage retry spends no attempt"
+    assert "Traceback" not in c.workers[0].log()
+
+
+def test_a_chunk_gone_fails_its_prompts_for_good_with_the_reason(cluster, tmp_path):
+    c = cluster()
+    path, ids = dataset(tmp_path, 50)
+    c.manage("enqueue", "--dataset", str(path), "--job", "gone", "--gpus", "1", "--bodies", "storage")
+    (c.output_dir / "gone" / bodies.BODIES_DIR / "chunk-000001.zst").unlink()
+    c.start_server(0, *SIM_ARGS)
+    c.start_worker(0)
+    wait_until(lambda: int(c.r.hget("dflash:{gone}:counters", "failed") or 0) == 50, timeout=120,
+               what="every prompt of the lost chunk to fail")
+    records = [json.loads(v) for v in c.r.hvals("dflash:{gone}:failed")]
+    assert {r["reason"] for r in records} == {"prompt_body_missing"}
+    assert all("chunk-000001.zst" in r["error"] and r["class"] == "permanent" for r in records)
+
+
+def test_enqueue_to_an_unreachable_s3_says_so_and_leaves_nothing(cluster, moto, tmp_path):
+    dead = TcpProxy(moto.port)  # never started: connections are refused
+    c = s3_cluster(cluster, dead.url)
+    c.env.update({"AWS_MAX_ATTEMPTS": "1"})
+    path, _ = dataset(tmp_path, 20)
+    result = c.manage("enqueue", "--dataset", str(path), "--job", "nope", "--bodies", "storage",
+                      check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"s3://{BUCKET}/runs/nope/prompts/chunk-000001.zst" in result.stderr
+    assert "job nope not created" in result.stderr
+    assert not c.r.keys("dflash:{nope}:*") and not c.r.sismember("dflash:jobs", "nope")
+
+
+def test_a_dataset_error_after_chunks_were_written_removes_them(cluster, tmp_path):
+    c = cluster()
+    path, _ = dataset(tmp_path, 2500)
+    with open(path, "ab") as f:
+        f.write(b"\xff\xfe not a line of any encoding\n")  # read fine: a bad row, not an error
+    gz = tmp_path / "cut.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes())[:-200])  # truncated: unreadable at the end
+    result = c.manage("enqueue", "--dataset", str(gz), "--job", "half", "--bodies", "storage",
+                      check=False)
+    assert result.returncode == 1 and "cannot read past line" in result.stderr, result.stderr
+    assert "job half not created" in result.stderr
+    assert not (c.output_dir / "half").exists() or not any((c.output_dir / "half").rglob("*.zst"))
+    assert not c.r.keys("dflash:{half}:*")
