@@ -8,11 +8,13 @@ decode speed, the real run's output-length distribution), all started here as pr
 3. slot occupancy, first request to the point the pending work runs out  goal >= 0.98
 4. completions/s with servers that answer at once, beside a worker
    draining no-op Celery tasks                                        goal >= 400/s
-5. enqueue of 1,000,000 prompts: time, Redis memory, status/progress latency, resume
+5. enqueue of 1,000,000 prompts: time, Redis memory, status/progress latency, resume; with the
+   prompt bodies in Redis, and kept on the output storage (`enqueue --bodies storage`)
 6. an S3 outage mid-run: Redis memory flat over the outage, every row in S3 once after it
 7. the end game: case 2 with 3,000 prompts (~19 per slot)                goal <= 1.10
 8. 64 GPUs on 4 simulated nodes: makespan / ideal, occupancy, Redis commands, CPU and memory
    per process kind, beat's tick
+9. `make bench-10m`, not in the default run: case 5 with 10,000,000 prompts, bodies on storage
 
 Cases 1-3 run the project and the baseline (benchmarks/baseline.py: one asyncio process, a static
 round-robin split, a semaphore per server) at the same time, each on its own four servers, so both
@@ -65,8 +67,10 @@ class Config:
     overhead_tokens: int = 16        # case 4: every answer this long, at once
     noop_tasks: int = 6_000
     concurrency: int | None = None   # GPU workers' threads [manage.py worker's default]
-    scale_prompts: int = 1_000_000   # case 5
+    scale_prompts: int = 1_000_000   # case 5, with the bodies in Redis and on storage
     scale_done: int = 990_000
+    huge_prompts: int = 10_000_000   # case 9 (make bench-10m), the bodies on storage
+    huge_done: int = 9_900_000
     outage_prompts: int = 12_000     # case 6: an S3 outage in the middle of a run
     outage_tokens: int = 1500        # every answer this long (rows of about 20 KB with their ids)
     outage_decode_tps: float = 1100.0  # per request: about 120 rows/s from 4 x 40 slots
@@ -82,7 +86,8 @@ class Config:
     @classmethod
     def quick(cls) -> "Config":
         return cls(prompts=2_000, decode_tps=2500.0, overhead_prompts=3_000, noop_tasks=3_000,
-                   scale_prompts=100_000, scale_done=99_000, outage_prompts=4_000,
+                   scale_prompts=100_000, scale_done=99_000, huge_prompts=1_000_000,
+                   huge_done=990_000, outage_prompts=4_000,
                    outage_warmup_s=8.0, outage_s=25.0, endgame_prompts=1_000,
                    many_nodes=2, many_gpus_per_node=8, many_prompts=2_048)
 
@@ -301,43 +306,52 @@ def mark_done(r: redis.Redis, job: str, n: int, gpus: list[str]) -> None:
     r.hincrby(k.counters, "completed", marked)
 
 
-def scale_case(cfg: Config, work: Path) -> dict:
-    root = work / "scale"
-    log(f"case 5: the {cfg.scale_prompts:,}-prompt dataset (generated once, then cached)")
+def scale_case(cfg: Config, work: Path, prompts: int, done: int, bodies: str) -> dict:
+    """Enqueue `prompts` prompts with `--bodies bodies` into a fresh Redis, probe status, mark
+    `done` of them done and enqueue the dataset again (the resume)."""
+    name = f"scale-{prompts}-{bodies}"
+    root = work / name
+    log(f"{name}: the {prompts:,}-prompt dataset (generated once, then cached)")
     t = time.monotonic()
-    dataset = data.cached_dataset(cfg.scale_prompts, CACHE)
+    dataset = data.cached_dataset(prompts, CACHE)
     dataset_s = time.monotonic() - t
     size = dataset.stat().st_size
+    enqueue = ["enqueue", "--dataset", str(dataset), "--job", "scale", "--gpus", str(cfg.servers),
+               "--bodies", bodies]
     with LocalCluster(root / "logs", env={"DFLASH_OUTPUT_DIR": str(root / "output")}) as c:
         url = c.start_redis(free_port(), root / "redis")
         r = redis.Redis.from_url(url)
         empty = r.info("memory")["used_memory"]
         redis_pid = c.named["redis"].pid
-        log(f"case 5: enqueue {cfg.scale_prompts:,} prompts ({size / 2**30:.2f} GiB)")
+        log(f"{name}: enqueue {prompts:,} prompts ({size / 2**30:.2f} GiB)")
         cpu0 = measure.cpu_seconds(redis_pid)
         t = time.monotonic()
-        out = c.manage("enqueue", "--dataset", str(dataset), "--job", "scale", "--gpus",
-                       str(cfg.servers), capture=True)
+        out = c.manage(*enqueue, capture=True)
         enqueue_s = time.monotonic() - t
         redis_cpu = measure.cpu_seconds(redis_pid) - cpu0
         total = int(r.hget(JobKeys("scale").counters, "total") or 0)
         memory = r.info("memory")["used_memory"] - empty
+        chunks = sorted((root / "output" / "scale" / "prompts").glob("*.zst"))
+        chunk_bytes = sum(p.stat().st_size for p in chunks)
         probe = json.loads(subprocess.run(
             [sys.executable, "-m", "benchmarks.probe", "--job", "scale"], cwd=ROOT, env=c.env,
             check=True, capture_output=True, text=True).stdout)
-        log(f"case 5: marking {cfg.scale_done:,} done, then enqueueing again (the resume)")
-        mark_done(r, "scale", cfg.scale_done, [c.gpu(i) for i in range(cfg.servers)])
+        log(f"{name}: marking {done:,} done, then enqueueing again (the resume)")
+        mark_done(r, "scale", done, [c.gpu(i) for i in range(cfg.servers)])
         t = time.monotonic()
-        again = c.manage("enqueue", "--dataset", str(dataset), "--job", "scale", "--gpus",
-                         str(cfg.servers), capture=True)
+        again = c.manage(*enqueue, capture=True)
         resume_s = time.monotonic() - t
         after = {k.decode(): int(v) for k, v in r.hgetall(JobKeys("scale").counters).items()}
         pending_after = r.llen(JobKeys("scale").pending)
         memory_after = r.info("memory")["used_memory"] - empty
-    return {"prompts": cfg.scale_prompts, "dataset_bytes": size, "dataset_gen_s": dataset_s,
+        chunks_after = len(list((root / "output" / "scale" / "prompts").glob("*.zst")))
+        shutil.rmtree(root / "output", ignore_errors=True)  # gigabytes of chunks at 10M
+    return {"prompts": prompts, "bodies": bodies, "dataset_bytes": size, "dataset_gen_s": dataset_s,
             "enqueue_s": enqueue_s, "stored": total, "redis_cpu_s": redis_cpu,
             "used_memory": memory, "bytes_per_prompt": memory / max(1, total), **probe,
-            "resume_s": resume_s, "done_before_resume": cfg.scale_done,
+            "chunks": len(chunks), "chunk_bytes": chunk_bytes,
+            "chunks_after_resume": chunks_after,
+            "resume_s": resume_s, "done_before_resume": done,
             "total_after_resume": after.get("total", 0), "pending_after_resume": pending_after,
             "used_memory_after_resume": memory_after,
             "enqueue_output": out.stdout[-2000:], "resume_output": again.stdout[-2000:]}
@@ -567,6 +581,8 @@ def main() -> None:
     if args.concurrency:
         cfg.concurrency = args.concurrency
     cases = {c.strip() for c in args.cases.split(",")}
+    if "9" in cases and cases != {"9"}:
+        ap.error("case 9 (make bench-10m) runs alone: --cases 9")
 
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     started = time.monotonic()
@@ -601,7 +617,11 @@ def main() -> None:
             results["case4"] = overhead_case(cfg, work, small)
             results["case4_flower"] = overhead_case(cfg, work, small, flower=True)
         if "5" in cases:
-            results["case5"] = scale_case(cfg, work)
+            results["case5"] = scale_case(cfg, work, cfg.scale_prompts, cfg.scale_done, "redis")
+            results["case5_storage"] = scale_case(cfg, work, cfg.scale_prompts, cfg.scale_done,
+                                                  "storage")
+        if "9" in cases:
+            results["case9"] = scale_case(cfg, work, cfg.huge_prompts, cfg.huge_done, "storage")
         if "6" in cases:
             outage = data.cached_dataset(cfg.outage_prompts, CACHE, seed=17)
             results["case6"] = outage_case(cfg, work, outage)
@@ -612,14 +632,34 @@ def main() -> None:
             log(f"work directory kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
+    if cases == {"9"}:
+        write_huge(args, results)
+        return
     text = report.render(results)
     print(text)
     if str(args.results) != "-":
+        old = args.results.read_text() if args.results.exists() else ""
+        if (huge := report.kept_section(old)) is not None:
+            text = report.with_section(text, huge)  # make bench-10m's own figures, kept
         args.results.write_text(text)
         args.results.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
         log(f"written to {args.results} (and its figures to {args.results.with_suffix('.json').name})")
         if not args.quick and cases >= set(DEFAULT_CASES.split(",")) and report.write_readme(README, results):
             log(f"and its table to {README}'s Performance section")
+
+
+def write_huge(args, results: dict) -> None:
+    """make bench-10m: its section of RESULTS.md and of the README, and RESULTS-10M.json."""
+    section = report.huge_section(results)
+    print(section)
+    if str(args.results) == "-" or args.quick:
+        return
+    old = args.results.read_text() if args.results.exists() else ""
+    args.results.write_text(report.with_section(old, section))
+    figures = args.results.with_name(args.results.stem + "-10M.json")
+    figures.write_text(json.dumps(results, indent=1) + "\n")
+    README.write_text(report.with_section(README.read_text(), report.huge_section(results, readme=True)))
+    log(f"written to {args.results}'s ten-million section, {figures.name} and {README}")
 
 
 if __name__ == "__main__":

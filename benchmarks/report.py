@@ -42,7 +42,8 @@ def table(res: dict) -> list[str]:
     if c5:
         n = c5["prompts"]
         rows += [
-            ("5", f"enqueue {n:,} prompts ({c5['dataset_bytes'] / GB:.2f} GB of JSONL)", "≤ 60 s",
+            ("5", f"enqueue {n:,} prompts ({c5['dataset_bytes'] / GB:.2f} GB of JSONL), bodies in"
+                  " Redis (the default)", "≤ 60 s",
              f"{c5['enqueue_s']:.1f} s", "—", c5["enqueue_s"] <= 60),
             ("5", f"Redis used_memory with all {c5['stored']:,} pending", "≤ 1 GB",
              f"{c5['used_memory'] / GB:.3f} GB ({c5['bytes_per_prompt']:.0f} B/prompt)",
@@ -53,6 +54,9 @@ def table(res: dict) -> list[str]:
             ("5", f"resume: enqueue again with {c5['done_before_resume']:,} done", "≤ 30 s",
              f"{c5['resume_s']:.1f} s", "—", c5["resume_s"] <= 30),
         ]
+    c5s = res.get("case5_storage")
+    if c5s:
+        rows += _storage_rows("5", c5s, enqueue_goal_s=60, resume_goal_s=30)
     c6 = res.get("case6")
     if c6:
         growth = c6["memory_peak_during"] - c6["memory_before"]
@@ -84,9 +88,89 @@ def table(res: dict) -> list[str]:
             ("8", f"slot occupancy until the pending work runs out ({c8['gpus']} GPUs)", "≥ 0.98",
              f"{o['occupancy']:.4f}", "—", o["occupancy"] >= 0.98),
         ]
-    for num, case, goal, ours, base, ok in rows:
-        lines.append(f"| {num} | {case} | {goal} | {ours} | {base} | {_mark(ok)} |")
-    return lines
+    return lines + _row_lines(rows)
+
+
+def _row_lines(rows: list[tuple]) -> list[str]:
+    return [f"| {num} | {case} | {goal} | {ours} | {base} | {_mark(ok)} |"
+            for num, case, goal, ours, base, ok in rows]
+
+
+def _storage_rows(num: str, c: dict, enqueue_goal_s: float, resume_goal_s: float) -> list[tuple]:
+    """Case 5's second half and case 9: the bodies kept on storage, Redis holding references."""
+    n = c["prompts"]
+    return [
+        (num, f"enqueue {n:,} prompts ({c['dataset_bytes'] / GB:.2f} GB of JSONL) with `--bodies"
+              f" storage` ({c['chunks']:,} chunks, {c['chunk_bytes'] / GB:.2f} GB on storage)",
+         f"≤ {_duration(enqueue_goal_s)}", _duration(c["enqueue_s"]), "—",
+         c["enqueue_s"] <= enqueue_goal_s),
+        (num, f"Redis used_memory with all {c['stored']:,} pending, bodies on storage",
+         f"≤ 200 B/prompt ({200 * n / GB:.1f} GB)",
+         f"{c['used_memory'] / GB:.3f} GB ({c['bytes_per_prompt']:.0f} B/prompt)", "—",
+         c["bytes_per_prompt"] <= 200),
+        (num, "`status --json` / progress snapshot / beat tick writing progress.json", "≤ 50 ms",
+         f"{c['status_ms']:.1f} / {c['snapshot_ms']:.1f} / {c['tick_ms']:.1f} ms", "—",
+         max(c["status_ms"], c["snapshot_ms"], c["tick_ms"]) <= 50),
+        (num, f"resume: enqueue again with {c['done_before_resume']:,} done, bodies on storage",
+         f"≤ {_duration(resume_goal_s)}", _duration(c["resume_s"]), "—",
+         c["resume_s"] <= resume_goal_s),
+    ]
+
+
+def _storage_measured(num: str, c: dict) -> str:
+    return (
+        f"- **Case {num}, bodies on storage.** The same kind of dataset, {c['prompts']:,} prompts,"
+        " enqueued with `manage.py enqueue --bodies storage` into a fresh redis-server (AOF on),"
+        " the output directory on the local disk: each chunk of 1,000 prompts went to storage as"
+        f" one object of zstd frames ({c['chunks']:,} objects, {c['chunk_bytes'] / GB:.2f} GB),"
+        f" and Redis holds a reference of about 20 bytes per prompt. Redis spent"
+        f" {c['redis_cpu_s']:.1f} CPU s on the enqueue. Resume: {c['done_before_resume']:,} marked"
+        f" done, then the same enqueue again, which wrote"
+        f" {c['chunks_after_resume'] - c['chunks']:,} new chunks: {c['total_after_resume']:,} in"
+        f" the job, {c['pending_after_resume']:,} pending, used_memory"
+        f" {c['used_memory_after_resume'] / GB:.3f} GB.")
+
+
+HUGE_BEGIN = "<!-- make bench-10m writes from here to its end marker (benchmarks/report.py); not by hand -->"
+HUGE_END = "<!-- end of what make bench-10m writes -->"
+
+
+def huge_section(res: dict, *, readme: bool = False) -> str:
+    """`make bench-10m`'s part of RESULTS.md (and of the README): written by that run only, and
+    kept as it is by `make bench`, which does not run it."""
+    c = res["case9"]
+    lines = [HUGE_BEGIN]
+    if not readme:
+        lines += ["## Ten million prompts (`make bench-10m`)", ""]
+    lines += [f"`make bench-10m`, run of {res['date']}, {res['bench_wall_s'] / 60:.0f} minutes, on"
+              f" {res['machine']}:", "",
+              "| # | case | goal | this project | baseline | goal |", "|---|---|---|---|---|---|"]
+    lines += _row_lines(_storage_rows("9", c, enqueue_goal_s=600, resume_goal_s=120))
+    if not readme:
+        lines += ["", _storage_measured("9", c),
+                  f"- The dataset: {c['dataset_bytes'] / GB:.1f} GB of JSONL, generated once"
+                  f" ({c['dataset_gen_s']:.0f} s in this run, 0 when it was already cached)."]
+    return "\n".join(lines) + "\n" + HUGE_END
+
+
+def with_section(text: str, section: str, begin: str = HUGE_BEGIN, end: str = HUGE_END) -> str:
+    """`text` with its block from `begin` to `end` replaced by `section` (which carries both
+    markers), or with `section` appended when it has none."""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        return head + section + rest.split(end, 1)[1]
+    return text.rstrip("\n") + "\n\n" + section + "\n"
+
+
+def kept_section(text: str, begin: str = HUGE_BEGIN, end: str = HUGE_END) -> str | None:
+    """The marked block of `text`, markers included; None when it has none."""
+    if begin in text and end in text:
+        return begin + text.split(begin, 1)[1].split(end, 1)[0] + end
+    return None
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 100 else f"{seconds / 60:.1f} min"
 
 
 def render(res: dict) -> str:
@@ -205,6 +289,8 @@ def render(res: dict) -> str:
             f" {c5['used_memory_after_resume'] / GB:.3f} GB.",
             "",
         ]
+    if res.get("case5_storage"):
+        lines += [_storage_measured("5", res["case5_storage"]), ""]
     if c6:
         lines += [
             f"- **Case 6.** {c6['prompts']:,} prompts, every answer {cfg['outage_tokens']} tokens"

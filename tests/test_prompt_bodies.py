@@ -36,9 +36,9 @@ def test_references_in_redis_bodies_in_chunks_and_a_resume_writes_only_new_ones(
     r = redis.Redis.from_url(redis_url)
     book, k = Ledger(r), JobKeys("refs")
     jobs.save(r, "refs", jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d")
-    settings = Settings(output_dir=tmp_path / "out")
-    writer = bodies.ChunkWriter(r, "refs", settings)
-    assert writer.location == str((tmp_path / "out").resolve())
+    location = bodies.job_location(r, "refs", Settings(output_dir=tmp_path / "out"))
+    assert location == str((tmp_path / "out").resolve())
+    writer = bodies.ChunkWriter(r, "refs", location, LocalStorage(location))
     first = prompts(2500)
     assert PromptLoader(r, book, "refs", resume=False, store_bodies=writer).add_all(iter(first), chunk=1000) == 2500
     assert chunk_files(tmp_path / "out", "refs") == [f"chunk-00000{n}.zst" for n in (1, 2, 3)]
@@ -52,7 +52,7 @@ def test_references_in_redis_bodies_in_chunks_and_a_resume_writes_only_new_ones(
     state = book.task_state("refs", "p7", "gpu0@n")
     assert state.messages is None and state.stored
     assert state.body_reference == r.hget(k.prompts, "p7")
-    assert state.body_location == writer.location
+    assert state.body_location == location
 
     # A resume with 2,000 done and 300 new prompts writes one more chunk, of the new ones only,
     # and a later enqueue from elsewhere keeps the job's first location.
@@ -60,8 +60,8 @@ def test_references_in_redis_bodies_in_chunks_and_a_resume_writes_only_new_ones(
     r.sadd(k.done, *done)
     r.hdel(k.prompts, *done)
     r.ltrim(k.pending, 2000, -1)
-    elsewhere = bodies.ChunkWriter(r, "refs", Settings(output_dir=tmp_path / "other"))
-    assert elsewhere.location == writer.location
+    assert bodies.job_location(r, "refs", Settings(output_dir=tmp_path / "other")) == location
+    elsewhere = bodies.ChunkWriter(r, "refs", location, LocalStorage(location))
     again = PromptLoader(r, book, "refs", resume=True, store_bodies=elsewhere)
     assert again.add_all(iter(first + prompts(300, start=2500)), chunk=1000) == 300
     assert chunk_files(tmp_path / "out", "refs")[-1] == "chunk-000004.zst"

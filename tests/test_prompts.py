@@ -233,6 +233,17 @@ def test_escaped_surrogate_pair_is_valid(tmp_path):
     assert p.messages == ({"role": "user", "content": "smile \U0001F600"},)
 
 
+@pytest.mark.parametrize("line, expected", [
+    # What the fast parser (orjson) refuses or reads otherwise is read as the stdlib reads it.
+    (b'{"id": 123456789012345678901234567890, "prompt": "x"}', "123456789012345678901234567890"),
+    (b'\xef\xbb\xbf{"id": "bom", "prompt": "x"}', "bom"),
+    (b'{"id": "nan", "prompt": "x", "score": NaN}', "nan"),
+    (b'{"id": "twice", "id": "last", "prompt": "x"}', "last"),
+])
+def test_lines_the_fast_parser_refuses_read_as_the_stdlib_reads_them(tmp_path, line, expected):
+    assert parse_raw(tmp_path, line).id == expected
+
+
 def test_invalid_utf8_line_is_a_bad_row(tmp_path):
     bad = parse_raw(tmp_path, b'{"prompt": "\xff"}')
     assert isinstance(bad, BadRow) and bad.reason.startswith("line 1: not valid UTF-8")

@@ -102,7 +102,7 @@ def delete(name: str) -> None:
     or bucket."""
     from dflash_tasks.core.settings import get_settings
     from dflash_tasks.ledger.bodies import remove_chunks
-    from dflash_tasks.output.storage import StorageError
+    from dflash_tasks.output.storage import StorageError, storage_at
 
     r = redis_or_fail()
     allowed_or_fail("delete", job_or_fail(r, name))
@@ -112,7 +112,7 @@ def delete(name: str) -> None:
     if location is not None:
         # After the keys: once they are gone nothing reads a chunk, whatever happens here.
         try:
-            chunks = remove_chunks(location, name, get_settings())
+            chunks = remove_chunks(storage_at(location, get_settings()), name)
         except StorageError as exc:
             raise click.ClickException(f"job {name}: its prompt chunks under {location} could "
                                        f"not be removed ({exc}); remove {name}/prompts/ there by hand") from None

@@ -49,8 +49,8 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
     from dflash_tasks.ingest.loader import CHUNK, PromptLoader
     from dflash_tasks.ingest.prompts import DatasetError, ReadSummary, read_prompts
     from dflash_tasks.ledger import shared_ledger
-    from dflash_tasks.ledger.bodies import ChunkWriter, remove_chunks
-    from dflash_tasks.output.storage import StorageError
+    from dflash_tasks.ledger.bodies import ChunkWriter, job_location, remove_chunks
+    from dflash_tasks.output.storage import StorageError, storage_at
     from dflash_tasks.tasks.app import app
 
     try:
@@ -85,7 +85,10 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
     # prompts the job does not know yet are encoded and sent (loader.py).
     book = shared_ledger()
     try:
-        store_bodies = ChunkWriter(r, name, get_settings()) if bodies == "storage" else None
+        store_bodies = None
+        if bodies == "storage":
+            location = job_location(r, name, get_settings())
+            store_bodies = ChunkWriter(r, name, location, storage_at(location, get_settings()))
         loader = PromptLoader(r, book, name, resume=existing is not None, store_bodies=store_bodies)
     except BaseException:
         if existing is None:
@@ -109,7 +112,7 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
             jobs.delete(r, name)
             if store_bodies is not None:
                 try:
-                    remove_chunks(store_bodies.location, name, get_settings())
+                    remove_chunks(store_bodies.storage, name)
                 except StorageError as cleanup:
                     err_console.print(f"[yellow]job {name}: its prompt chunks could not be "
                                       f"removed ({cleanup}); remove them by hand[/]")

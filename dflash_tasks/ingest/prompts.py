@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
 import zstandard
 
 ROLES = {
@@ -213,6 +214,20 @@ def _parse_record(number: int, raw: bytes | dict, unit: str) -> Prompt | BadRow:
 
 
 def _json_object(line: bytes) -> dict:
+    """The line's JSON object. orjson first (three times the stdlib's speed, and strict: it takes
+    only valid UTF-8 without lone surrogates, so what it accepts needs no further check); what it
+    refuses goes through the stdlib, whose verdict and messages decide (it also takes a BOM, NaN
+    and integers past 64 bits, which orjson refuses or would turn into floats)."""
+    try:
+        value = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return _json_object_stdlib(line)
+    if not isinstance(value, dict) or isinstance(value.get("id"), float):
+        return _json_object_stdlib(line)  # the stdlib's message, or an id orjson made a float
+    return value
+
+
+def _json_object_stdlib(line: bytes) -> dict:
     try:
         text = line.decode("utf-8")  # strict: UTF-8-encoded surrogates are invalid too
     except UnicodeDecodeError as exc:

@@ -9,7 +9,8 @@ reference of about 20 bytes per prompt instead of its frame:
 
 which no stored conversation starts with (a zstd frame starts with its magic number, JSON with
 `[` or `{`). The worker reads exactly those bytes back (a file read at an offset, or an S3 ranged
-GET) and decodes them as `messages.decode_messages` does any stored frame.
+GET) and decodes them as `messages.decode_messages` does any stored frame. The storage itself
+(output/storage.py, a stage above) is given to these functions by their callers.
 
 The location (an absolute directory or an s3:// URI) is the job's, fixed by its first such enqueue
 (`jobs.body_location`): every chunk of a job is in one place, whatever the settings of the
@@ -19,15 +20,22 @@ then be shared by every node that runs the job's GPUs (S3 needs nothing more).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import redis
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.settings import Settings
-from dflash_tasks.output.storage import Storage, StorageError, storage_at
 
 MARK = b"@"
 BODIES_DIR = "prompts"  # <job>/prompts/ under the location: the job's chunks and nothing else
+
+
+class ChunkStorage(Protocol):
+    """What of output/storage.py's Storage the chunks need."""
+    def put(self, key: str, data: bytes) -> None: ...
+    def get_range(self, key: str, offset: int, length: int) -> bytes: ...
+    def delete_prefix(self, key_prefix: str) -> int: ...
 
 
 def is_reference(stored: bytes) -> bool:
@@ -52,7 +60,7 @@ class Reference:
         try:
             chunk, offset, length = (int(part) for part in stored[1:].split(b":"))
         except ValueError:
-            raise StorageError(f"not a prompt body reference: {stored[:40]!r}") from None
+            raise ValueError(f"not a prompt body reference: {stored[:40]!r}") from None
         return cls(chunk, offset, length)
 
 
@@ -61,22 +69,26 @@ def default_location(settings: Settings) -> str:
     return settings.s3_uri or str(settings.output_dir.resolve())
 
 
+def job_location(r: redis.Redis, job: str, settings: Settings) -> str:
+    """The job's body location: its own when it has one, else (its first `--bodies storage`
+    enqueue) this process's default, which becomes the job's."""
+    return jobs.body_location(r, job, wanted=default_location(settings))
+
+
 class ChunkWriter:
     """The loader's way to store a chunk of frames (loader.py): a new chunk number each time,
     the object written before its references go to Redis, so no reference ever points at
     nothing. A chunk whose prompts were all known meanwhile is left unreferenced (harmless, and
     removed with the job)."""
 
-    def __init__(self, r: redis.Redis, job: str, settings: Settings):
-        self.r, self.job = r, job
-        self.location = jobs.body_location(r, job, wanted=default_location(settings))
-        self.storage = storage_at(self.location, settings)
+    def __init__(self, r: redis.Redis, job: str, location: str, storage: ChunkStorage):
+        self.r, self.job, self.location, self.storage = r, job, location, storage
 
     def __call__(self, frames: list[bytes]) -> list[bytes]:
         return write_chunk(self.storage, self.job, jobs.next_body_chunk(self.r, self.job), frames)
 
 
-def write_chunk(storage: Storage, job: str, chunk: int, frames: list[bytes]) -> list[bytes]:
+def write_chunk(storage: ChunkStorage, job: str, chunk: int, frames: list[bytes]) -> list[bytes]:
     """Store `frames` as chunk number `chunk` of the job; returns each frame's reference."""
     refs, offset = [], 0
     for frame in frames:
@@ -86,13 +98,13 @@ def write_chunk(storage: Storage, job: str, chunk: int, frames: list[bytes]) -> 
     return refs
 
 
-def read_frame(storage: Storage, job: str, stored: bytes) -> bytes:
-    """The zstd frame a reference points to. StorageNotFound when its chunk is gone (the job's
-    chunks were removed by hand), StorageError for anything else (S3 out: worth retrying)."""
+def read_frame(storage: ChunkStorage, job: str, stored: bytes) -> bytes:
+    """The zstd frame a reference points to; the storage's errors as it raises them (a chunk
+    that is gone, or a storage that does not answer)."""
     ref = Reference.parse(stored)
     return storage.get_range(chunk_key(job, ref.chunk), ref.offset, ref.length)
 
 
-def remove_chunks(location: str, job: str, settings: Settings) -> int:
-    """Remove every chunk of the job at its location; returns how many objects went."""
-    return storage_at(location, settings).delete_prefix(f"{job}/{BODIES_DIR}/")
+def remove_chunks(storage: ChunkStorage, job: str) -> int:
+    """Remove every chunk of the job from its location's storage; returns how many went."""
+    return storage.delete_prefix(f"{job}/{BODIES_DIR}/")
