@@ -120,6 +120,9 @@ class JobModel:
     regenerations: int = 0
     regenerated_reasons: set[str] = field(default_factory=set)
     versions: int = 1
+    # Where its first enqueue put the prompts' texts (`--bodies`); later enqueues add theirs in
+    # Redis, so a job enqueued with "storage" mixes both.
+    bodies: str = "redis"
 
     @property
     def bad_cap_ever(self) -> bool:
@@ -423,12 +426,22 @@ class Sequence:
         n = 20 + int(u[0] * 61)
         gpus = 1 + int(u[1] * 2)
         cap = BAD_CAP if u[2] < 0.12 else GOOD_CAPS[int(u[3] * len(GOOD_CAPS))]
-        job = JobModel(name, set(), self.prompt_rows(name, 0, n), gpus=gpus, cap=cap, caps=[cap])
+        bodies = "storage" if u[4] < 0.5 else "redis"
+        job = JobModel(name, set(), self.prompt_rows(name, 0, n), gpus=gpus, cap=cap, caps=[cap],
+                       bodies=bodies)
         job.ids = {row["id"] for row in job.rows}
-        step.args = {"job": name, "prompts": n, "gpus": gpus, "cap": cap}
+        step.args = {"job": name, "prompts": n, "gpus": gpus, "cap": cap, "bodies": bodies}
+        s3_down = self.d.s3._listener is None  # an outage may end while the command runs
         result = self.d.c.manage("enqueue", "--dataset", str(self.dataset(job)), "--job", name,
-                                 "--gpus", str(gpus), "--max-output-tokens", str(cap), check=False)
+                                 "--gpus", str(gpus), "--max-output-tokens", str(cap),
+                                 "--bodies", bodies, check=False)
         if result.returncode != 0:
+            out = result.stdout + result.stderr
+            # The prompts' texts cannot go to a cut S3: refused, and nothing may be left.
+            if bodies == "storage" and s3_down and "not created" in out and "Traceback" not in out:
+                self.check_deleted(job)
+                step.outcome = "refused: S3 down"
+                return
             raise ChaosFailure(f"enqueue of a new job failed:\n{result.stdout}\n{result.stderr}")
         self.jobs[name] = job
         self.stats.jobs += 1
@@ -465,7 +478,9 @@ class Sequence:
         self._simple(step, u, "cancel", self.live(RUNNING, PAUSED), ["--yes"])
 
     def do_delete(self, step: Step, u: list[float]) -> None:
-        job = self._simple(step, u, "delete", self.live(PAUSED, CANCELLED), ["--yes"])
+        # A job whose prompts' texts are on a cut S3 is not deleted, and says so.
+        job = self._simple(step, u, "delete", self.live(PAUSED, CANCELLED), ["--yes"],
+                           may_refuse="nothing was deleted: run delete again when the storage answers")
         if job is not None and job.state == DELETED:
             self.check_deleted(job)
 
@@ -474,13 +489,13 @@ class Sequence:
         self._simple(step, u, "retry-failed", failing or self.live(RUNNING, PAUSED), [])
 
     def _simple(self, step: Step, u: list[float], cmd: str, preferred: list[JobModel],
-                extra: list[str]) -> JobModel | None:
+                extra: list[str], may_refuse: str | None = None) -> JobModel | None:
         job = self.pick(u[0], preferred, u[1])
         if job is None:
             self.do_wait(step, u)
             return None
         step.args = {"job": job.name}
-        self.command(step, job, cmd, [cmd, "--job", job.name, *extra])
+        self.command(step, job, cmd, [cmd, "--job", job.name, *extra], may_refuse=may_refuse)
         return job
 
     def do_set(self, step: Step, u: list[float]) -> None:
@@ -732,6 +747,9 @@ class Sequence:
         if keys or member:
             raise ChaosFailure(f"deleted job {job.name} still has keys {sorted(keys)[:10]} "
                                f"(in dflash:jobs: {bool(member)})")
+        chunks = self.d.storage.list(f"{job.name}/prompts/")
+        if chunks:
+            raise ChaosFailure(f"deleted job {job.name} left its prompts' texts on S3: {chunks[:5]}")
 
     def exact_books(self, job: JobModel, *, allow_failed: bool) -> int:
         """check_books for a done job, allowing for regenerated rows: the newest row per id is

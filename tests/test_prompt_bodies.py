@@ -92,16 +92,18 @@ def test_storage_ranged_reads_and_prefix_removal_locally_and_on_s3(tmp_path, mot
         local.delete_prefix("../elsewhere/")
 
 
-def test_a_run_with_bodies_on_local_storage_then_delete_takes_the_chunks(cluster, tmp_path):
+def test_a_run_with_bodies_on_local_storage_regenerated_then_deleted(cluster, tmp_path):
     c = cluster()
     for gpu in (0, 1):
         c.start_server(gpu, *SIM_ARGS)
         c.start_worker(gpu)
     c.start_beat()
     path, ids = dataset(tmp_path, 1500)
-    c.manage("enqueue", "--dataset", str(path), "--job", "local", "--gpus", "2", "--bodies", "storage")
+    k = JobKeys("local")
+    c.manage("enqueue", "--dataset", str(path), "--job", "local", "--gpus", "2", "--bodies", "storage",
+             "--max-output-tokens", "2048")
     # Redis holds references only; the bodies are two chunks under the output directory.
-    stored = c.r.hvals(JobKeys("local").prompts)
+    stored = c.r.hvals(k.prompts)
     assert stored and all(bodies.is_reference(s) for s in stored)
     assert chunk_files(c.output_dir, "local") == ["chunk-000001.zst", "chunk-000002.zst"]
     c.wait_done("local")
@@ -109,6 +111,22 @@ def test_a_run_with_bodies_on_local_storage_then_delete_takes_the_chunks(cluster
     asked = {json.loads(line)["id"]: json.loads(line)["prompt"] for line in path.read_text().splitlines()}
     assert all(row["conversations"][0] == {"role": "user", "content": asked[row["id"]]} for row in rows)
     assert {row["metadata"]["attempts"] for row in rows} == {1}
+
+    # The index of truncated rows keeps each prompt's reference, not its text; a plain
+    # regenerate puts the reference back, and the worker reads the chunk again.
+    cut = {pid.decode() for pid in c.r.hkeys(k.ended("length"))}
+    assert len(cut) > 50
+    assert all(raw.partition(b"\n")[2][:1] == bodies.MARK for raw in c.r.hvals(k.ended("length")))
+    c.manage("set", "--job", "local", "--max-output-tokens", "8192")
+    out = c.manage("regenerate", "--job", "local", "--finish-reason", "length").stdout
+    assert f"{len(cut):,} prompts with finish_reason 'length' queued" in out
+    c.wait_done("local")
+    newest = {row["id"]: row for row in c.rows("local")}  # batches in time order
+    assert set(newest) == ids
+    for pid in cut:
+        assert newest[pid]["conversations"][0] == {"role": "user", "content": asked[pid]}
+        assert newest[pid]["metadata"]["completion_tokens"] > 2048 or \
+            newest[pid]["metadata"]["finish_reason"] == "stop", pid
 
     out = c.manage("delete", "--job", "local", "--yes")
     assert "2 chunks of prompt bodies removed" in out.stdout
@@ -141,6 +159,20 @@ def test_s3_out_while_bodies_are_read_spends_no_attempt_and_loses_nothing(cluste
     _, rows = assert_shipped_exactly_once(c, st, "cut", ids)
     assert {row["metadata"]["attempts"] for row in rows} == {1}, "a storage retry spends no attempt"
     assert "Traceback" not in c.workers[0].log()
+
+    # delete with S3 cut: refused, the job as it was; then, S3 back, the job and its chunk go.
+    keys = sorted(c.r.keys("dflash:{cut}:*"))
+    proxy.stop()
+    try:
+        refused = c.manage("delete", "--job", "cut", "--yes", check=False)
+    finally:
+        proxy.start()
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert "nothing was deleted: run delete again when the storage answers" in refused.stderr
+    assert sorted(c.r.keys("dflash:{cut}:*")) == keys
+    c.manage("delete", "--job", "cut", "--yes")
+    assert st.list("cut/prompts/") == [] and not c.r.keys("dflash:{cut}:*")
+    assert st.list("cut/batches/"), "shipped batches stay"
 
 
 def test_a_chunk_gone_fails_its_prompts_for_good_with_the_reason(cluster, tmp_path):

@@ -106,14 +106,18 @@ def delete(name: str) -> None:
 
     r = redis_or_fail()
     allowed_or_fail("delete", job_or_fail(r, name))
+    # The chunks first: a storage that does not answer leaves the job as it was, to delete again.
+    # (The job is paused or cancelled: nothing reads a chunk meanwhile.)
     location = jobs.body_location(r, name)
-    removed = jobs.delete(r, name)
-    console.print(f"job {name}: deleted ({removed} Redis keys); its shipped batches are kept")
+    chunks = 0
     if location is not None:
-        # After the keys: once they are gone nothing reads a chunk, whatever happens here.
         try:
             chunks = remove_chunks(storage_at(location, get_settings()), name)
         except StorageError as exc:
-            raise click.ClickException(f"job {name}: its prompt chunks under {location} could "
-                                       f"not be removed ({exc}); remove {name}/prompts/ there by hand") from None
+            raise click.ClickException(f"job {name}: its prompt chunks under {location} could not "
+                                       f"be removed ({exc}); nothing was deleted: run delete again "
+                                       "when the storage answers") from None
+    removed = jobs.delete(r, name)
+    console.print(f"job {name}: deleted ({removed} Redis keys); its shipped batches are kept")
+    if location is not None:
         console.print(f"job {name}: {chunks:,} chunks of prompt bodies removed from {location}")

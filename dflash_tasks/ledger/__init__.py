@@ -209,9 +209,11 @@ class Ledger:
     # -- outcomes --------------------------------------------------------------------------------
 
     def complete(self, job: str, prompt_id: str, gpu: str, row: dict, *,
-                 rate_bucket_s: int = 10) -> bool:
+                 body_reference: bytes | None = None, rate_bucket_s: int = 10) -> bool:
         """Record a finished row exactly once. False when it was a duplicate delivery. A
-        recalled prompt waiting in pending or on another of the job's GPUs is taken out there."""
+        recalled prompt waiting in pending or on another of the job's GPUs is taken out there.
+        `body_reference`: the prompt's text is on storage (bodies.py), and the index of rows by
+        finish reason keeps that reference instead of the text."""
         k = JobKeys(job)
         meta = row["metadata"]
         out = int(meta["completion_tokens"])
@@ -219,8 +221,10 @@ class Ledger:
         keys = [k.done, k.inflight(gpu), k.prompts, k.failed, k.counters, k.rate, k.output,
                 k.pending, k.config, k.gpus, k.ended(reason), k.speed]
         # Its prompt, kept in the index for a regenerate that reads no batch (a few KB at most,
-        # compressed, for a fifth of the rows at the real run's figures: docs/ARCHITECTURE.md).
-        prompt = b"" if reason in UNINDEXED_REASONS else encode_messages(row["conversations"][:-1])
+        # compressed, for a fifth of the rows at the real run's figures: docs/ARCHITECTURE.md;
+        # about 20 bytes when its text stays on storage).
+        prompt = b"" if reason in UNINDEXED_REASONS else \
+            body_reference or encode_messages(row["conversations"][:-1])
         latency = float(meta.get("latency_s") or 0)
         # A request too short to say how fast the GPU decodes (prefill and the round trip
         # dominate it) does not move its speed.

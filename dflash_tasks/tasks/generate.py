@@ -173,7 +173,8 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
     row = build_row(prompt_id, messages, completion, job=job, gpu=gpu, params=params,
                     attempts=attempt, server=server)
     recorded = durable("recording the row",
-                       lambda: book.complete(job, prompt_id, gpu, row))
+                       lambda: book.complete(job, prompt_id, gpu, row,
+                                             body_reference=state.body_reference))
     return {"id": prompt_id, "finish_reason": completion.finish_reason,
             "completion_tokens": completion.completion_tokens, "attempts": attempt,
             **({} if recorded else {"skipped": "duplicate delivery"})}
