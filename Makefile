@@ -39,9 +39,9 @@ demo: install
 bench: install
 	$(PY) -m benchmarks
 
-# Case 9 alone: ten million prompts enqueued and resumed with their bodies on storage (about a
-# quarter of an hour; its 11 GB dataset is generated once into $$DFLASH_BENCH_CACHE, /tmp by
-# default). Writes its own section of benchmarks/RESULTS.md and of the README.
+# Case 9 alone: ten million prompts enqueued and resumed with their bodies on storage (about ten
+# minutes, and two more the first time, to generate its 11 GB dataset into $$DFLASH_BENCH_CACHE,
+# /tmp by default). Writes its own section of benchmarks/RESULTS.md and of the README.
 bench-10m: install
 	$(PY) -m benchmarks --cases 9
 
