@@ -173,12 +173,15 @@ class S3Storage:
 
     def __init__(self, uri: str, *, multipart_threshold: int = 8 * 1024 * 1024,
                  multipart_chunksize: int = 8 * 1024 * 1024, max_concurrency: int = 4,
-                 connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0):
+                 connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0,
+                 readers: int | None = None):
         self.uri = uri
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.multipart_threshold = multipart_threshold
         self._chunksize = multipart_chunksize
         self._max_concurrency = max_concurrency
+        # The transfer manager's parts, or every reading thread, each with its connection.
+        self._connections = max(10, max_concurrency * 2, readers or 0)
         self._timeouts = (connect_timeout_s, read_timeout_s)
         self._client = None
         self._client_lock = threading.Lock()
@@ -205,7 +208,7 @@ class S3Storage:
                 # Retries are left to the chain (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE, the profile).
                 self._client = boto3.session.Session().client(
                     "s3", config=Config(connect_timeout=connect, read_timeout=read,
-                                        max_pool_connections=max(10, self._max_concurrency * 2)))
+                                        max_pool_connections=self._connections))
             return self._client
 
     def _transfer_config(self):
@@ -332,21 +335,24 @@ def storage_for(settings: Settings) -> Storage:
     return LocalStorage(settings.output_dir)
 
 
-def _s3_for(uri: str, s: Settings) -> S3Storage:
+def _s3_for(uri: str, s: Settings, readers: int | None = None) -> S3Storage:
     """One S3Storage (one client, one connection pool) per URI and S3 settings per process."""
     return _s3_storage(uri, s.s3_multipart_threshold_bytes, s.s3_multipart_chunk_bytes,
-                       s.s3_max_concurrency, s.s3_connect_timeout_s, s.s3_read_timeout_s)
+                       s.s3_max_concurrency, s.s3_connect_timeout_s, s.s3_read_timeout_s, readers)
 
 
 @lru_cache(maxsize=16)
 def _s3_storage(uri: str, threshold: int, chunk: int, concurrency: int, connect_s: float,
-                read_s: float) -> S3Storage:
+                read_s: float, readers: int | None) -> S3Storage:
     return S3Storage(uri, multipart_threshold=threshold, multipart_chunksize=chunk,
-                     max_concurrency=concurrency, connect_timeout_s=connect_s, read_timeout_s=read_s)
+                     max_concurrency=concurrency, connect_timeout_s=connect_s, read_timeout_s=read_s,
+                     readers=readers)
 
 
-def storage_at(where: str, settings: Settings) -> Storage:
-    """An explicit location: an s3:// URI or a local directory."""
+def storage_at(where: str, settings: Settings, *, readers: int | None = None) -> Storage:
+    """An explicit location: an s3:// URI or a local directory. `readers`: threads that may read
+    from it at once (a GPU worker's, reading prompt texts), so its S3 connection pool holds one
+    each instead of opening and dropping connections beyond it."""
     if where.startswith("s3://"):
-        return _s3_for(where, settings)
+        return _s3_for(where, settings, readers)
     return LocalStorage(Path(where))

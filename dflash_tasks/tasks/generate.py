@@ -184,11 +184,12 @@ def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> l
     """The conversation of a prompt whose body is kept on storage (ledger/bodies.py). Storage
     out (S3 unreachable, a slow disk) is waited out like a server that does not answer: nothing
     was sent, so the retry spends no attempt. A chunk that is gone fails the prompt for good."""
+    outage = runtime().prompt_storage
     try:
         if state.body_location is None:
             raise StorageNotFound(f"job {job} records no location for its prompt bodies")
-        storage = storage_at(state.body_location, get_settings())
-        return decode_messages(bodies.read_frame(storage, job, state.body_reference))
+        storage = storage_at(state.body_location, get_settings(), readers=runtime().pool_size())
+        frame = bodies.read_frame(storage, job, state.body_reference)
     except StorageNotFound as exc:
         _record_failure(job, prompt_id, gpu, reason="prompt_body_missing", klass="permanent",
                         error=str(exc), status=None, attempts=tries)
@@ -197,10 +198,16 @@ def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> l
                        "prompt_storage"):
             return None
         countdown = backoff_s(min(task.request.retries, 10))
-        log.warning("prompt %s on %s: cannot read its body (%s); again in %.1fs, no attempt "
-                    "spent", prompt_id, gpu, exc, countdown)
+        # One warning per outage, not one per thread and retry (the rest at DEBUG).
+        log.log(logging.WARNING if outage.failed() else logging.DEBUG,
+                "prompt %s on %s: cannot read its text (%s); again in %.1fs, no attempt spent "
+                "(prompts wait until the storage answers)", prompt_id, gpu, exc, countdown)
         raise task.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
                          args=(job, prompt_id, gpu), kwargs={"tries": tries})
+    if (ended := outage.succeeded()) is not None:
+        log.warning("prompt texts readable again after %.0fs (%d reads failed meanwhile)",
+                    ended[1], ended[0])
+    return decode_messages(frame)
 
 
 def _refill(job: str, gpu: str) -> None:

@@ -1,10 +1,11 @@
 """What a worker process holds across its tasks, in one object: one SGLang client and one circuit
 breaker per server (shared by all its threads), the heartbeat and /metrics sampler threads of its
-GPUs, and its shutdown state. Celery's signals reach it through hooks.py; tasks through
+GPUs, whether its prompt storage is failing, and its shutdown state. Celery's signals reach it through hooks.py; tasks through
 `runtime()`. Nothing else in the worker keeps state between tasks."""
 from __future__ import annotations
 
 import threading
+import time
 from functools import lru_cache
 
 import redis
@@ -22,6 +23,33 @@ from dflash_tasks.worker.shutdown import Shutdown
 POOL_MARGIN = 4
 
 
+class OutageLog:
+    """Whether a failure, or a success, of something every thread of the worker uses is news:
+    the first failure after a success, and the first success after failures, are worth a
+    warning; the hundreds of threads failing in between are not."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._since = 0.0
+
+    def failed(self) -> bool:
+        """Count a failure; True for the first one of an outage."""
+        with self._lock:
+            self._failures += 1
+            if self._failures == 1:
+                self._since = time.monotonic()
+            return self._failures == 1
+
+    def succeeded(self) -> tuple[int, float] | None:
+        """(failures, seconds) of the outage this success ends; None when there was none."""
+        with self._lock:
+            if not self._failures:
+                return None
+            ended, self._failures = (self._failures, time.monotonic() - self._since), 0
+            return ended
+
+
 class WorkerRuntime:
     def __init__(self, settings: Settings, r: redis.Redis):
         self.settings = settings
@@ -33,6 +61,7 @@ class WorkerRuntime:
         self._breakers: dict[str, CircuitBreaker] = {}
         self._reporting: dict[str, threading.Event] = {}  # gpu -> stops its reporting threads
         self.concurrency: int | None = None  # the Celery pool's threads, once the worker knows
+        self.prompt_storage = OutageLog()  # reads of prompt texts kept on storage (generate.py)
 
     def pool_size(self) -> int:
         """Connections per server: one for each of the worker's threads (all of them may be
