@@ -152,7 +152,7 @@ def train_eval(run_name: str | None, step: int | None, checkpoint: Path | None,
     target_dir = Path(target or spec.target_model)
     if not (target_dir / "config.json").is_file():
         raise click.BadParameter(f"{target_dir} is not a model directory (no config.json)"
-                                 + ("" if target else f"; the checkpoint names it: pass --target"),
+                                 + ("" if target else "; the checkpoint names it: pass --target"),
                                  param_hint="--target")
     tokenizer_dir = TrainConfig.model_validate(
         {**reference, "target_model": str(target_dir)}).tokenizer_dir()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable
 
 FIELDS = ("enable_thinking", "chat_template", "reasoning_parser")
 NOT_RECORDED = "not recorded"  # a field older rows do not have (None is a value: no parser)
