@@ -20,6 +20,7 @@ from conftest import write_jsonl
 from failure_support import check_books, counters, failed_registry
 
 from dflash_tasks.sglang import SGLangClient
+from dflash_tasks.sglang.client import TEMPLATE_FIELDS
 from dflash_tasks.sglang.errors import InvalidRequest
 from dflash_tasks.worker import server_metrics
 
@@ -111,6 +112,12 @@ def check_http_surface(s: Served) -> None:
         assert httpx.get(s.url + "/health_generate", timeout=60).status_code == 200
         info = client.server_info()
         assert info["version"] == "0.5.23", info.get("version")
+        # The thinking contract every row records (client.ServerContract): the launch arguments
+        # that choose the template are in /server_info, and the parser it was started with.
+        assert set(TEMPLATE_FIELDS) <= set(info) and info["tokenizer_path"], \
+            {k: info.get(k) for k in TEMPLATE_FIELDS}
+        contract = client.contract()
+        assert contract.reasoning_parser == "qwen3" and contract.chat_template.startswith("sha256:")
         model_info = httpx.get(s.url + "/model_info", timeout=10).json()
         assert model_info["served_model_name"] == s.model and model_info["is_generation"] is True
         models = httpx.get(s.url + "/v1/models", timeout=10).json()
@@ -192,9 +199,12 @@ def check_job_end_to_end(c, s: Served, tmp_path: Path) -> None:
     c.wait_done("stops", timeout=240)
     out = check_books(c, "stops", {r["id"] for r in rows})
     assert {r["metadata"]["finish_reason"] for r in out} == {"stop"}
+    contract = SGLangClient(s.url).contract()
     for row in out:
         check_thinking_row(row)
         assert row["metadata"]["model"] == s.model and row["metadata"]["gpu"] == c.gpu(0)
+        assert (row["metadata"]["chat_template"], row["metadata"]["reasoning_parser"]) == \
+            (contract.chat_template, "qwen3")
     same_as_fresh(s, out[0])
     snap = c.status("stops")
     assert snap["finish_reasons"] == {"stop": len(rows)}
