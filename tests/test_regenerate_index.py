@@ -241,3 +241,29 @@ def test_a_job_without_the_index_is_regenerated_by_reading_every_batch(tmp_path,
     # Stop rows are not indexed: found the same way, and said so.
     out = c.manage("regenerate", "--job", "old", "--finish-reason", "stop", "--limit", "3").stdout
     assert "'stop' are most of a job and not indexed" in out and "3 prompts" in out
+
+
+def test_the_index_keeps_the_entry_the_task_read_and_encodes_a_continued_one(redis_url):
+    """The worker hands complete() the `prompts` entry it read when that entry is the prompt
+    alone, so the index keeps those very bytes (nothing encoded again); an entry that carries a
+    continuation is not the prompt alone, and the row's messages are encoded instead."""
+    r = redis_lib.Redis.from_url(redis_url)
+    book = Ledger(r)
+    jobs.save(r, "kept", jobs.GenerationParams(max_tokens=CAP),
+              selection=jobs.GpuSelection.parse("all"), dataset="x", status="running")
+    k = JobKeys("kept")
+    book.add_prompts("kept", [("p012", encode_messages(_messages(12)))])
+    stored = r.hget(k.prompts, "p012")
+    state = book.task_state("kept", "p012", GPU)
+    assert state.bare_entry == stored and state.continuation is None
+    assert book.complete("kept", "p012", GPU, _row(12, "length"), bare_entry=state.bare_entry)
+    ended = next(book.ended_rows("kept", "length"))
+    assert ended.prompt == stored
+
+    continued = {"messages": _messages(12), "continue": {"prompt_ids": [1, 2, 12],
+                                                         "response_ids": list(range(12, 12 + CUT_AT))}}
+    assert book.reopen("kept", ended, json.dumps(continued), CUT_AT)
+    state = book.task_state("kept", "p012", GPU)
+    assert state.bare_entry is None and state.continuation is not None
+    assert book.complete("kept", "p012", GPU, _row(12, "length"), bare_entry=state.bare_entry)
+    assert decode_messages(next(book.ended_rows("kept", "length")).prompt) == _messages(12)

@@ -46,6 +46,10 @@ class TaskState:
     # A body kept on storage (bodies.py): `messages` is None, and the task reads it from there.
     body_reference: bytes | None = None
     body_location: str | None = None
+    # The `prompts` entry as read, when it is the prompt alone (its messages' frame, or a
+    # reference), not the {messages, continue} of a regenerated one: the index of rows by finish
+    # reason keeps it as it is (Ledger.complete).
+    bare_entry: bytes | None = None
 
     @property
     def stored(self) -> bool:
@@ -144,14 +148,15 @@ class Ledger:
         flags = dict(params=json.loads(params) if params else None, done=bool(done),
                      failed=bool(failed), in_flight_here=here is not None)
         if entry and bodies.is_reference(entry):
-            return TaskState(messages=None, body_reference=entry,
+            return TaskState(messages=None, body_reference=entry, bare_entry=entry,
                              body_location=location.decode() if location else None, **flags)
-        entry = decode_messages(entry) if entry else None
+        decoded = decode_messages(entry) if entry else None
         # A regenerated prompt is stored as {"messages", "continue"?} (reopen.lua), a new one as
         # its bare list of messages.
-        messages, continuation = (entry["messages"], entry.get("continue")) \
-            if isinstance(entry, dict) else (entry, None)
-        return TaskState(messages=messages, continuation=continuation, **flags)
+        if isinstance(decoded, dict):
+            return TaskState(messages=decoded["messages"], continuation=decoded.get("continue"),
+                             **flags)
+        return TaskState(messages=decoded, bare_entry=entry or None, **flags)
 
     def reopen(self, job: str, ended: EndedRow, entry: str | bytes, continued_tokens: int) -> bool:
         """Take a done prompt back for regeneration (reopen.lua), `entry` becoming its stored
@@ -209,11 +214,11 @@ class Ledger:
     # -- outcomes --------------------------------------------------------------------------------
 
     def complete(self, job: str, prompt_id: str, gpu: str, row: dict, *,
-                 body_reference: bytes | None = None, rate_bucket_s: int = 10) -> bool:
+                 bare_entry: bytes | None = None, rate_bucket_s: int = 10) -> bool:
         """Record a finished row exactly once. False when it was a duplicate delivery. A
         recalled prompt waiting in pending or on another of the job's GPUs is taken out there.
-        `body_reference`: the prompt's text is on storage (bodies.py), and the index of rows by
-        finish reason keeps that reference instead of the text."""
+        `bare_entry` (TaskState's): the prompt's `prompts` entry as the task read it, which the
+        index of rows by finish reason keeps instead of the row's messages encoded again."""
         k = JobKeys(job)
         meta = row["metadata"]
         out = int(meta["completion_tokens"])
@@ -222,9 +227,10 @@ class Ledger:
                 k.pending, k.config, k.gpus, k.ended(reason), k.speed]
         # Its prompt, kept in the index for a regenerate that reads no batch (a few KB at most,
         # compressed, for a fifth of the rows at the real run's figures: docs/ARCHITECTURE.md;
-        # about 20 bytes when its text stays on storage).
+        # about 20 bytes when its text stays on storage): the entry as read, or the row's
+        # messages encoded again (a regenerated prompt, whose entry holds more).
         prompt = b"" if reason in UNINDEXED_REASONS else \
-            body_reference or encode_messages(row["conversations"][:-1])
+            bare_entry or encode_messages(row["conversations"][:-1])
         latency = float(meta.get("latency_s") or 0)
         # A request too short to say how fast the GPU decodes (prefill and the round trip
         # dominate it) does not move its speed.

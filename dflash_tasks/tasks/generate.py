@@ -174,7 +174,7 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
                     attempts=attempt, server=server)
     recorded = durable("recording the row",
                        lambda: book.complete(job, prompt_id, gpu, row,
-                                             body_reference=state.body_reference))
+                                             bare_entry=state.bare_entry))
     return {"id": prompt_id, "finish_reason": completion.finish_reason,
             "completion_tokens": completion.completion_tokens, "attempts": attempt,
             **({} if recorded else {"skipped": "duplicate delivery"})}
