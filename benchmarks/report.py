@@ -149,7 +149,7 @@ def huge_section(res: dict, *, readme: bool = False) -> str:
     if not readme:
         lines += ["", _storage_measured("9", c),
                   f"- The dataset: {c['dataset_bytes'] / GB:.1f} GB of JSONL, generated once"
-                  f" ({c['dataset_gen_s']:.0f} s in this run, 0 when it was already cached)."]
+                  f" ({c['dataset_gen_s']:.0f} s in this run; 0 s: cached by an earlier one)."]
     return "\n".join(lines) + "\n" + HUGE_END
 
 
