@@ -11,7 +11,8 @@ import pytest
 import redis
 from s3support import BUCKET, TcpProxy, assert_shipped_exactly_once, s3_cluster, storage
 from support import wait_until
-from test_pipeline import SIM_ARGS, assert_exactly_once, dataset
+from test_pipeline import assert_exactly_once, dataset
+from test_s3_batches import start
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import JobKeys
@@ -94,10 +95,7 @@ def test_storage_ranged_reads_and_prefix_removal_locally_and_on_s3(tmp_path, mot
 
 def test_a_run_with_bodies_on_local_storage_regenerated_then_deleted(cluster, tmp_path):
     c = cluster()
-    for gpu in (0, 1):
-        c.start_server(gpu, *SIM_ARGS)
-        c.start_worker(gpu)
-    c.start_beat()
+    start(c)
     path, ids = dataset(tmp_path, 1500)
     k = JobKeys("local")
     c.manage("enqueue", "--dataset", str(path), "--job", "local", "--gpus", "2", "--bodies", "storage",
@@ -145,9 +143,7 @@ def test_s3_out_while_bodies_are_read_spends_no_attempt_and_loses_nothing(cluste
     assert st.list("cut/prompts/") == ["cut/prompts/chunk-000001.zst"]
     proxy.stop()
     try:
-        c.start_server(0, *SIM_ARGS)
-        c.start_worker(0)
-        c.start_beat()
+        start(c, gpus=(0,))
         # Every prompt dispatched waits on the storage: retried, counted, nothing generated.
         wait_until(lambda: int(c.r.hget("dflash:{cut}:counters", "retry:prompt_storage") or 0) >= 100,
                    timeout=120, what="the worker to wait out the storage")
@@ -184,8 +180,7 @@ def test_a_chunk_gone_fails_its_prompts_for_good_with_the_reason(cluster, tmp_pa
     path, ids = dataset(tmp_path, 50)
     c.manage("enqueue", "--dataset", str(path), "--job", "gone", "--gpus", "1", "--bodies", "storage")
     (c.output_dir / "gone" / bodies.BODIES_DIR / "chunk-000001.zst").unlink()
-    c.start_server(0, *SIM_ARGS)
-    c.start_worker(0)
+    start(c, gpus=(0,), beat=False)
     wait_until(lambda: int(c.r.hget("dflash:{gone}:counters", "failed") or 0) == 50, timeout=120,
                what="every prompt of the lost chunk to fail")
     records = [json.loads(v) for v in c.r.hvals("dflash:{gone}:failed")]

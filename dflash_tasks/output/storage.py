@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -98,7 +98,6 @@ class LocalStorage:
 
     def __init__(self, root: Path):
         self.root = Path(root)
-        self._mode = 0o666 & ~process_umask()
 
     def _path(self, key: str) -> Path:
         """root/key, refused when it leads outside root (a key built from stored data). Checked
@@ -113,6 +112,12 @@ class LocalStorage:
         path.parent.mkdir(parents=True, exist_ok=True)
         # mkstemp's 0600 would keep the data from its readers
         write_whole(path, data, mode=self._mode)
+
+    @cached_property
+    def _mode(self) -> int:
+        """New files' permissions: read once, when the first file is written (a worker makes a
+        LocalStorage per prompt text it reads, and reads never need it)."""
+        return 0o666 & ~process_umask()
 
     def get(self, key: str) -> bytes:
         try:
