@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 from conftest import Cluster
 from support import ROOT
+from test_pipeline import start
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "workers" / "README.md"]
 SHELL_TAGS = {"bash", "sh", "shell", "console"}
@@ -186,10 +187,7 @@ def test_the_rules_catch_an_untagged_block_and_a_marker_without_reason(tmp_path,
 def deploy(c: Cluster) -> tuple[list[Command], dict[str, str], dict[str, str]]:
     """Servers, workers and beat; every job the commands name and no `enqueue` of theirs creates,
     done; the commands, the example files and the environment of a user's shell."""
-    for gpu in (0, 1):
-        c.start_server(gpu, *SIM_ARGS)
-        c.start_worker(gpu)
-    c.start_beat()
+    start(c, sim_args=SIM_ARGS)
     commands, files, problems = collect()
     assert not problems, "\n".join(problems)
     enqueued = {m.group(1) for cmd in commands

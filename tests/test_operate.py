@@ -6,18 +6,10 @@ import json
 
 from conftest import write_jsonl
 from support import wait_until
+from test_pipeline import start
 
 from dflash_dev.sim.lengths import chat_plan
 from dflash_tasks.output.stats import percentile
-
-SIM_ARGS = ("--slots", "40", "--decode-tps", "4000")
-
-
-def start(c, gpus=(0, 1), sim_args=SIM_ARGS):
-    for gpu in gpus:
-        c.start_server(gpu, *sim_args)
-        c.start_worker(gpu)
-    c.start_beat()
 
 
 def prompts(tmp_path, n: int):

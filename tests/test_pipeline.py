@@ -12,6 +12,15 @@ from support import wait_until
 SIM_ARGS = ("--slots", "40", "--decode-tps", "4000")
 
 
+def start(c, gpus=(0, 1), sim_args=SIM_ARGS, beat=True):
+    """The tests' usual deployment on `c`: a simulated server and a worker per GPU, and beat."""
+    for gpu in gpus:
+        c.start_server(gpu, *sim_args)
+        c.start_worker(gpu)
+    if beat:
+        c.start_beat()
+
+
 def dataset(tmp_path, n: int, bad_lines: bool = False):
     rows = [{"id": f"p{i:05d}", "prompt": f"Question {i}: explain idea number {i * 7919 % 1000}."}
             for i in range(n)]
@@ -40,10 +49,7 @@ def assert_exactly_once(c, job: str, expected_ids: set[str]) -> list[dict]:
 
 def test_run_completes_with_every_id_once_and_bad_rows_reported(cluster, tmp_path):
     c = cluster()
-    for gpu in (0, 1):
-        c.start_server(gpu, *SIM_ARGS)
-        c.start_worker(gpu)
-    c.start_beat()
+    start(c)
     path, ids = dataset(tmp_path, 400, bad_lines=True)
 
     out = c.manage("enqueue", "--dataset", str(path), "--job", "small", "--gpus", "2",
@@ -78,10 +84,7 @@ def test_run_completes_with_every_id_once_and_bad_rows_reported(cluster, tmp_pat
 
 def test_resume_after_everything_is_killed_does_only_the_rest(cluster, tmp_path):
     c = cluster(visibility_timeout_s=15, reap_after_s=30)
-    for gpu in (0, 1):
-        c.start_server(gpu, *SIM_ARGS)
-        c.start_worker(gpu)
-    c.start_beat()
+    start(c)
     path, ids = dataset(tmp_path, 1200)
     c.manage("enqueue", "--dataset", str(path), "--job", "resume", "--gpus", "2")
     wait_until(lambda: c.status("resume")["completed"] >= 300, timeout=120, what="300 completions")
@@ -102,10 +105,7 @@ def test_resume_after_everything_is_killed_does_only_the_rest(cluster, tmp_path)
 
 def test_sigkill_of_a_worker_mid_run_loses_and_doubles_nothing(cluster, tmp_path):
     c = cluster(visibility_timeout_s=15, reap_after_s=30)
-    for gpu in (0, 1):
-        c.start_server(gpu, *SIM_ARGS)
-        c.start_worker(gpu)
-    c.start_beat()
+    start(c)
     path, ids = dataset(tmp_path, 2000)
     c.manage("enqueue", "--dataset", str(path), "--job", "kill", "--gpus", "2")
     wait_until(lambda: c.status("kill")["gpus"][c.gpu(1)]["completed"] >= 200, timeout=120,

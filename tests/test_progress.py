@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import redis as redis_lib
 from support import wait_until
-from test_pipeline import SIM_ARGS, dataset
+from test_pipeline import dataset, start
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import JobKeys
@@ -29,10 +29,7 @@ def test_progress_json_matches_the_ledger_and_the_rows(cluster, tmp_path):
     # No age deadline: on a loaded machine a 2 s lull would seal a partial batch, and this test
     # counts batches by size (600 rows / 150). Sealing on age has its own tests.
     c = cluster(batch_rows=150, batch_max_age_s=3600, rate_window_s=60, worker_heartbeat_s=1)
-    for gpu in (0, 1):
-        c.start_server(gpu, *SIM_ARGS)
-        c.start_worker(gpu)
-    c.start_beat()
+    start(c)
     path, ids = dataset(tmp_path, 600)
     c.manage("enqueue", "--dataset", str(path), "--job", "prog", "--gpus", "2",
              "--max-output-tokens", "4096")

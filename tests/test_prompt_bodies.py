@@ -11,8 +11,7 @@ import pytest
 import redis
 from s3support import BUCKET, TcpProxy, assert_shipped_exactly_once, s3_cluster, storage
 from support import wait_until
-from test_pipeline import assert_exactly_once, dataset
-from test_s3_batches import start
+from test_pipeline import assert_exactly_once, dataset, start
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import JobKeys

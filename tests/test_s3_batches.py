@@ -22,15 +22,7 @@ from s3support import (
     storage,
 )
 from support import python, wait_until
-from test_pipeline import SIM_ARGS, dataset
-
-
-def start(c, gpus=(0, 1), beat=True):
-    for gpu in gpus:
-        c.start_server(gpu, *SIM_ARGS)
-        c.start_worker(gpu)
-    if beat:
-        c.start_beat()
+from test_pipeline import dataset, start
 
 
 # -- S3Storage on its own ------------------------------------------------------------------------
