@@ -22,7 +22,7 @@ from failure_support import (
     sim_down,
     sim_stats,
 )
-from support import wait_until
+from support import ROOT, wait_until
 
 FAST = ("--slots", "40", "--decode-tps", "8000")
 
@@ -45,7 +45,11 @@ CHAT_OK = {"model": "m", "choices": [{"message": {"content": "a", "reasoning_con
 @pytest.mark.parametrize("answer, reason, transient", [
     ((400, {"object": "error", "message": "Requested token count exceeds the model's maximum "
                                           "context length of 8192 tokens."}), "invalid_request", False),
-    ((404, {"object": "error", "message": "The model `x` does not exist."}), "model_not_found", False),
+    # The deployment's, not the prompt's: the breaker opens at once, no prompt fails.
+    ((404, {"object": "error", "message": "The model `x` does not exist."}), "server_not_found", False),
+    ((404, "<html>Not Found</html>"), "server_not_found", False),
+    ((401, "Unauthorized"), "unauthorized", False),
+    ((403, "Forbidden"), "unauthorized", False),
     ((200, {"model": "m", "choices": [], "usage": {}}), "empty_response", False),
     ((408, "timeout"), "timeout", True),
     ((429, "slow down"), "unavailable", True),
@@ -74,8 +78,64 @@ def test_every_failure_of_a_request_is_classified(answer, reason, transient):
     with pytest.raises(SGLangError) as info:
         _client(handler).chat([{"role": "user", "content": "hi"}], max_tokens=16)
     assert (info.value.reason, info.value.transient) == (reason, transient)
-    if reason in ("invalid_request", "model_not_found"):
+    if reason in ("invalid_request", "server_not_found") and isinstance(answer[1], dict):
         assert answer[1]["message"] in str(info.value)  # the server's own words reach the registry
+
+
+def test_a_404_after_the_server_changed_its_model_says_so():
+    from dflash_tasks.sglang import ModelChanged
+
+    served = {"id": "m"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [served]})
+        return httpx.Response(404, json={"object": "error", "message": "The model `m` does not exist."})
+
+    client = _client(handler)
+    client.served_model()
+    served["id"] = "other"                # the server restarted with another model
+    with pytest.raises(ModelChanged, match="'other' now, not 'm'"):
+        client.chat([{"role": "user", "content": "hi"}], max_tokens=16)
+    assert not client.identity_ok()
+
+
+def test_breaker_trips_at_once_for_the_deployment_and_stops_on_one_repeated_failure():
+    from dflash_tasks.worker.breaker import MISCONFIGURED, REPEATED_FAILURE, CircuitBreaker
+    from dflash_tasks.worker.shutdown import Shutdown
+
+    shutdown = Shutdown()
+    identity = {"ok": False}
+    b = CircuitBreaker("test", lambda: True, threshold=3, close_after=2, probe_base_s=0.01,
+                       probe_cap_s=0.05, shutdown=shutdown)
+    b.trip("server_not_found", "HTTP 404", lambda: identity["ok"])
+    assert not b.closed and b.snapshot()["kind"] == MISCONFIGURED
+    time.sleep(0.2)
+    assert not b.closed                  # /health would say yes; the identity says no
+    identity["ok"] = True
+    wait_until(lambda: b.closed, timeout=5, what="closed once the identity reads right")
+    # The safety net: the same permanent failure, threshold times in a row, that is not known
+    # to be the prompt's. A success or another reason in between starts the count again.
+    for reason in ("invalid_request", "invalid_request", "empty_response", "invalid_request"):
+        b.record_permanent(reason, "HTTP 400: Bad Request")
+    b.record_success()
+    b.record_permanent("invalid_request", "HTTP 400: Bad Request")
+    b.record_permanent("invalid_request", "HTTP 400: Bad Request")
+    assert b.closed
+    b.record_permanent("invalid_request", "HTTP 400: Bad Request")
+    assert not b.closed and b.snapshot()["kind"] == REPEATED_FAILURE
+    assert "the last 3 requests all failed with invalid_request" in b.last_error
+    time.sleep(0.2)
+    assert not b.closed                  # until the worker restarts
+    shutdown.begin(0)
+
+
+def test_a_context_too_long_is_the_prompts_fault():
+    from dflash_tasks.sglang import InvalidRequest
+
+    sample = json.loads((ROOT / "tests/sglang_samples/err_maxtok.txt").read_text().rsplit(" [", 1)[0])
+    assert InvalidRequest(sample["message"]).context_too_long
+    assert not InvalidRequest("temperature must be a non-negative finite number").context_too_long
 
 
 def test_a_good_answer_is_not_an_error():
@@ -231,6 +291,7 @@ def test_permanent_failures_are_registered_at_once_and_retry_failed_is_idempoten
     attempt each, with the server's message. retry-failed re-queues them exactly once; after a
     change of max tokens the long ones succeed (counters move from failed to completed), the
     others fail again, once each, without a loop."""
+    from dflash_tasks.core import jobs
     from dflash_tasks.ledger import Ledger
 
     c = cluster()
@@ -243,6 +304,8 @@ def test_permanent_failures_are_registered_at_once_and_retry_failed_is_idempoten
     too_long = [{"id": "huge", "prompt": " ".join(f"w{j}" for j in range(9000))}]
     # Malformed prompts the dataset reader would refuse, stored as an older tool might have.
     malformed = {"empty": "[]", "shapeless": json.dumps(["just a string"])}
+    jobs.save(c.r, "perm", jobs.GenerationParams(max_tokens=4096), selection=jobs.GpuSelection(),
+              dataset="older tool")
     Ledger(c.r).add_prompts("perm", list(malformed.items()))
     c.manage("enqueue", "--dataset", str(dataset(tmp_path, good + long_ok_later + too_long)),
              "--job", "perm", "--max-output-tokens", "4096")

@@ -115,21 +115,23 @@ def test_regenerate_and_retry_failed_follow_the_lifecycle(tmp_path, redis_url):
 
 
 def test_beat_does_not_mark_done_a_job_that_got_prompts_since_its_snapshot(tmp_path, redis_url):
-    """transition() refuses when the total changed (an enqueue between beat's snapshot and its
-    `done`), and when the state changed (a pause)."""
+    """finish.lua refuses while prompts wait (an enqueue between beat's snapshot and its
+    `done`), and when the state is not running (a pause); transition() refuses a state that
+    changed since it was read."""
     import redis
 
-    from dflash_tasks.core import jobs
+    from dflash_tasks.ledger import Ledger
 
     c = Cluster(tmp_path, redis_url)
     data = write_jsonl(tmp_path / "d.jsonl", prompts(10))
     c.manage("enqueue", "--dataset", str(data), "--job", "cas")
     r = redis.Redis.from_url(redis_url)
-    assert not jobs.transition(r, "cas", "running", "done", expect_total=9)
-    assert not jobs.transition(r, "cas", "paused", "done")
-    assert r.hget("dflash:{cas}:config", "status") == b"running"
-    assert jobs.transition(r, "cas", "running", "done", expect_total=10)
-    assert r.hget("dflash:{cas}:config", "status") == b"done"
+    book = Ledger(r)
+    assert book.finish("cas") == "completed 0 + failed 0 of 10"
+    assert not book.transition("cas", "paused", "done")
+    assert book.transition("cas", "running", "paused")
+    assert book.finish("cas") == "not running"
+    assert r.hget("dflash:{cas}:config", "status") == b"paused"
 
 
 def test_an_outcome_after_delete_writes_nothing(tmp_path, redis_url):

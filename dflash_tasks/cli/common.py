@@ -92,12 +92,26 @@ def change_state(r: redis.Redis, command: str, job: jobs.Job) -> str:
     """Check `command` against the job's state and move the job to the state it leads to, unless
     the state changed since it was read (beat finishing it, another command): then refuse, and
     nothing has changed. Returns the new state."""
+    from dflash_tasks.ledger import shared_ledger
+
     target = allowed_or_fail(command, job)
-    if target != job.status and not jobs.transition(r, job.name, job.status, target):
+    get_settings().failpoint("state.before_apply")
+    if target != job.status and not shared_ledger().transition(job.name, job.status, target):
         now = jobs.load(r, job.name)
         raise click.ClickException(f"job {job.name} changed from {job.status} to "
                                    f"{now.status if now else 'deleted'} while this ran; nothing "
                                    "was changed: run the command again")
+    return target
+
+
+def changed_meanwhile(name: str, read: dict[str, str], wrong: dict[str, str]) -> str:
+    """What a compare-and-set (Ledger.update_job) found changed since the command read the job's
+    config (`read`), for the loser's message."""
+    if not wrong.get("status", "x"):
+        return f"job {name} was deleted while this ran"
+    parts = [f"{field} from {read.get(field) or '(none)'} to {now or '(none)'}"
+             for field, now in sorted(wrong.items())]
+    return f"job {name} changed while this ran ({'; '.join(parts)})"
 
 
 # -- the shipped rows: the row rules and look-ups of validate and export --format ----------------

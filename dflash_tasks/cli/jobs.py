@@ -8,6 +8,7 @@ from rich.table import Table
 from dflash_tasks.cli.common import (
     allowed_or_fail,
     change_state,
+    changed_meanwhile,
     console,
     generation_options,
     job_or_fail,
@@ -80,13 +81,27 @@ def cancel(name: str) -> None:
 def set_params(name: str, max_output_tokens, temperature, top_p, top_k, thinking) -> None:
     """Change the job's generation parameters for every prompt not yet sent to a server,
     without stopping workers or servers."""
+    from dflash_tasks.core.lifecycle import TRANSITIONS
+    from dflash_tasks.core.settings import get_settings
+    from dflash_tasks.ledger import shared_ledger
+
     r = redis_or_fail()
-    allowed_or_fail("set", job_or_fail(r, name))
+    job = job_or_fail(r, name)
+    allowed_or_fail("set", job)
+    old = job.params
     try:
-        old, new = jobs.update_params(r, name, max_tokens=max_output_tokens, temperature=temperature,
-                                      top_p=top_p, top_k=top_k, enable_thinking=thinking)
+        new = old.replace(max_tokens=max_output_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k, enable_thinking=thinking)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    get_settings().failpoint("set.before_apply")
+    # Compare and set against the parameters read above, so a concurrent command (another set,
+    # an enqueue with parameters) is never overwritten; any state set is allowed in will do.
+    wrong = shared_ledger().update_job(name, {**job.as_read("params"), "status": TRANSITIONS["set"]},
+                                       {"params": new.stored()})
+    if wrong:
+        raise click.ClickException(f"{changed_meanwhile(name, job.stored, wrong)}; nothing was changed: run "
+                                   "the command again")
     for field in ("max_tokens", "temperature", "top_p", "top_k", "enable_thinking"):
         before, after = getattr(old, field), getattr(new, field)
         mark = "  (changed)" if before != after else ""

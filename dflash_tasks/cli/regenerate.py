@@ -93,8 +93,7 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
         from dflash_tasks.training.data.monitor import restart_window
 
         restart_window(r, name)  # its facts of the rows just superseded would still count
-    if tally.reopened and job.status == "done":
-        jobs.transition(r, name, "done", "running")  # the lifecycle: a done job with work runs
+    # A done job runs again in the step that took each row back (reopen.lua).
     if tally.reopened and (now := jobs.load(r, name)).status == "running":
         dispatch.topup_all(app, book, s, now)
     if failure is not None:

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from dflash_tasks.cli.common import (
     allowed_or_fail,
+    changed_meanwhile,
     console,
     err_console,
     generation_options,
@@ -48,7 +49,7 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
     from dflash_tasks.core.keys import check_job_name
     from dflash_tasks.ingest.loader import CHUNK, PromptLoader
     from dflash_tasks.ingest.prompts import DatasetError, ReadSummary, read_prompts
-    from dflash_tasks.ledger import shared_ledger
+    from dflash_tasks.ledger import JobGone, shared_ledger
     from dflash_tasks.ledger.bodies import ChunkWriter, job_location, remove_chunks
     from dflash_tasks.output.storage import StorageError, storage_at
     from dflash_tasks.tasks.app import app
@@ -108,9 +109,10 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
                                f"{len(summary.bad):,} malformed{first})")
     except BaseException as exc:
         loader.abandon()
-        if existing is None:
+        gone = isinstance(exc, JobGone)
+        if existing is None and not gone:
             jobs.delete(r, name)
-            if store_bodies is not None:
+            if store_bodies is not None and store_bodies.written:
                 try:
                     remove_chunks(store_bodies.storage, name)
                 except StorageError as cleanup:
@@ -119,17 +121,35 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
         elif loader.added:
             err_console.print(f"[yellow]job {name}: {loader.added:,} new prompts were stored "
                               "before the error; enqueueing the fixed dataset again adds the rest[/]")
-            if existing.status == lifecycle.DONE:  # a done job has every prompt answered
-                jobs.transition(r, name, lifecycle.DONE, lifecycle.RUNNING)
-        if isinstance(exc, (DatasetError, StorageError)):
-            what = "not created" if existing is None else \
+        if isinstance(exc, (DatasetError, StorageError, JobGone)):
+            what = "deleted meanwhile" if gone else "not created" if existing is None else \
                 f"kept its {loader.added:,} new prompts" if loader.added else "unchanged"
             raise click.ClickException(f"{exc} (job {name} {what})") from None
         raise
 
-    state = lifecycle.RUNNING if existing is None or (existing.status == lifecycle.DONE and added) \
-        else existing.status
-    job = jobs.save(r, name, params, selection=selection, dataset=str(dataset), status=state)
+    # The job's parameters and GPU selection, compared and set against what this command read
+    # before loading (seconds to minutes ago): a cancel, a pause or a `set` made meanwhile is
+    # never undone. Beat may have marked the job done meanwhile, and new prompts make a done job
+    # run again (add_prompts.lua): both count as the state read.
+    get_settings().failpoint("enqueue.before_apply")
+    if existing is None:
+        expect = {"status": [lifecycle.LOADING]}
+    else:
+        expect = {**existing.as_read("params", "gpus", "nodes"),
+                  "status": [lifecycle.RUNNING, lifecycle.DONE]
+                  if existing.status in (lifecycle.RUNNING, lifecycle.DONE) else [existing.status]}
+    changes = {**jobs.config_fields(params, selection), "dataset": str(dataset),
+               **({"status": lifecycle.RUNNING} if existing is None else {})}
+    wrong = book.update_job(name, expect, changes)
+    if wrong:
+        stored = f"its {added:,} new prompts are stored and counted" if added else \
+            "no new prompt was stored"
+        read = existing.stored if existing else {"status": lifecycle.LOADING}
+        raise click.ClickException(
+            f"{changed_meanwhile(name, read, wrong)}; {stored}, but this enqueue's parameters and "
+            "GPU selection were not applied: run it again to apply them")
+    job = jobs.load(r, name)
+    state = job.status
     dropped = [g for g in dispatch.dispatched_gpus(r, name) if not selection.allows(g)]
     if existing is not None and selection != existing.selection and dropped:
         # take.lua gives these GPUs nothing more; what they hold goes to the GPUs kept.
@@ -238,6 +258,8 @@ def _status_table(snap: dict, width: int | None = None) -> Table:
                     "deployment)")
     for gpu, g in snap["gpus"].items():
         alive = "[green]alive[/]" if g.get("alive") else "[red]no heartbeat[/]"
+        if g.get("alive") and g.get("state", "serving") != "serving":
+            alive = f"[red]{g['state']}: {g.get('state_reason') or '?'}[/]"
         t.add_row(gpu, f"{g['worker'] or '-'} {alive}: {g['completed']:,} done, "
                        f"{g['in_flight']} in flight"
                        f"{(', %d waiting to retry' % g['retry_waiting']) if g.get('retry_waiting') else ''}, "

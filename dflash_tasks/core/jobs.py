@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import redis
 
 from dflash_tasks.core.keys import JOBS, JobKeys, check_job_name, check_node_name, parse_gpu
-from dflash_tasks.core.lifecycle import STATES as STATUSES
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +33,10 @@ class GenerationParams:
     def from_dict(cls, data: dict) -> "GenerationParams":
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+    def stored(self) -> str:
+        """As the job's config hash stores them."""
+        return json.dumps(asdict(self))
 
     def replace(self, **changes) -> "GenerationParams":
         return GenerationParams(**{**asdict(self), **{k: v for k, v in changes.items() if v is not None}})
@@ -94,10 +97,16 @@ class Job:
     selection: GpuSelection
     dataset: str
     created_at: float
+    # The config hash exactly as read: what a command's compare-and-set expects to find again.
+    stored: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def keys(self) -> JobKeys:
         return JobKeys(self.name)
+
+    def as_read(self, *names: str) -> dict[str, list[str]]:
+        """Ledger.update_job's expectation: these fields still as this command read them."""
+        return {name: [self.stored.get(name, "")] for name in names}
 
 
 def load(r: redis.Redis, name: str) -> Job | None:
@@ -109,17 +118,23 @@ def load(r: redis.Redis, name: str) -> Job | None:
                status=d.get("status", "running"),
                selection=GpuSelection(gpus=d.get("gpus", "all"),
                                       nodes=tuple(n for n in d.get("nodes", "").split(",") if n)),
-               dataset=d.get("dataset", ""), created_at=float(d.get("created_at", 0)))
+               dataset=d.get("dataset", ""), created_at=float(d.get("created_at", 0)), stored=d)
+
+
+def config_fields(params: GenerationParams, selection: GpuSelection) -> dict[str, str]:
+    """A job's parameters and GPU selection as its config hash stores them."""
+    return {"params": params.stored(), "gpus": selection.gpus,
+            "nodes": ",".join(selection.nodes)}
 
 
 def save(r: redis.Redis, name: str, params: GenerationParams, *, selection: GpuSelection,
          dataset: str, status: str = "running") -> Job:
-    """Create the job or update it (a resume with new parameters)."""
+    """Create the job (unconditionally: a new job's first write, or a test's). Every later change
+    is a compare-and-set against what its command read (Ledger.update_job, Ledger.transition)."""
     k = JobKeys(check_job_name(name))
     pipe = r.pipeline()
     pipe.hsetnx(k.config, "created_at", time.time())
-    pipe.hset(k.config, mapping={"params": json.dumps(asdict(params)), "gpus": selection.gpus,
-                                 "nodes": ",".join(selection.nodes), "dataset": dataset,
+    pipe.hset(k.config, mapping={**config_fields(params, selection), "dataset": dataset,
                                  "status": status})
     pipe.sadd(JOBS, name)
     pipe.execute()
@@ -128,43 +143,8 @@ def save(r: redis.Redis, name: str, params: GenerationParams, *, selection: GpuS
     return job
 
 
-def transition(r: redis.Redis, name: str, expect: str, status: str,
-               expect_total: int | None = None) -> bool:
-    """Set the job's status to `status` only if it is still `expect` (and, with `expect_total`,
-    its prompt count is still that): a command checked against the state it read, and beat's
-    `done` against the total it saw, never overwrite a change made since (an enqueue adding
-    prompts, a pause). False when something changed; nothing is written then."""
-    if status not in STATUSES:
-        raise ValueError(f"unknown status {status!r}; one of {', '.join(STATUSES)}")
-    k = JobKeys(name)
-    with r.pipeline() as pipe:
-        try:
-            pipe.watch(k.config, *([k.counters] if expect_total is not None else []))
-            current = pipe.hget(k.config, "status")
-            if current is None or current.decode() != expect or (
-                    expect_total is not None and int(pipe.hget(k.counters, "total") or 0) != expect_total):
-                return False
-            pipe.multi()
-            pipe.hset(k.config, "status", status)
-            pipe.execute()
-            return True
-        except redis.WatchError:
-            return False
-
-
 def names(r: redis.Redis) -> list[str]:
     return sorted(m.decode(errors="replace") for m in r.smembers(JOBS))
-
-
-def update_params(r: redis.Redis, name: str, **changes) -> tuple[GenerationParams, GenerationParams]:
-    """Change a job's generation parameters; every prompt not yet sent to a server uses them
-    (tasks read them when they run). Returns (old, new)."""
-    job = load(r, name)
-    if job is None:
-        raise KeyError(name)
-    new = job.params.replace(**changes)
-    r.hset(JobKeys(name).config, "params", json.dumps(asdict(new)))
-    return job.params, new
 
 
 def body_location(r: redis.Redis, name: str, wanted: str | None = None) -> str | None:

@@ -5,7 +5,9 @@ job and live in Redis, so `manage.py set` reaches every worker without a restart
 """
 from __future__ import annotations
 
+import random
 import socket
+import time
 from functools import lru_cache
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -95,6 +97,10 @@ class Settings(BaseSettings):
     breaker_probe_base_s: float = 1.0
     breaker_probe_cap_s: float = 30.0
     breaker_wait_s: float = 600.0
+    # A GPU whose breaker stays open this long (its server does not answer, its worker lives)
+    # has its prompts handed to the job's other GPUs by beat; one opened for a misconfigured
+    # server, at once.
+    breaker_handover_s: float = 60.0
 
     # Warm shutdown (SIGTERM): requests in flight get this long to finish, then they are aborted
     # on the server and their prompts go back to the queue. Below the deployments' stop grace
@@ -174,6 +180,11 @@ class Settings(BaseSettings):
     # `manage.py flower`'s basic auth: user:password[,user2:password2]. A secret: never logged.
     flower_basic_auth: SecretStr | None = None
 
+    # For tests only, empty in production: named points in the code where a process pauses, to
+    # force an interleaving the test wants (`failpoint`). "name=sleep:0.5,other=sleep:0-2,
+    # third=hold:/path" (hold: create /path.reached, then wait while /path exists).
+    failpoints: str = ""
+
     @field_validator("node")
     @classmethod
     def _node_name(cls, value: str) -> str:
@@ -196,6 +207,27 @@ class Settings(BaseSettings):
         secret = self.redis_sentinel_password
         return {"socket_timeout": 5.0, "socket_connect_timeout": 5.0,
                 **({"password": secret.get_secret_value()} if secret else {})}
+
+    def failpoint(self, name: str) -> None:
+        """Pause here if a test asked to (DFLASH_FAILPOINTS): the chaos test widens the window
+        between a read and the write that depends on it; a test holds a process at a point,
+        acts, then lets it go on. Nothing at all when the setting is empty."""
+        if not self.failpoints:
+            return
+        for item in self.failpoints.split(","):
+            point, _, action = item.partition("=")
+            if point.strip() != name:
+                continue
+            kind, _, arg = action.partition(":")
+            if kind == "sleep":
+                low, _, high = arg.partition("-")
+                time.sleep(random.uniform(float(low), float(high or low)))
+            elif kind == "hold":
+                gate = Path(arg)
+                Path(f"{arg}.reached").touch()
+                deadline = time.monotonic() + 600
+                while gate.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
 
     def spool_path(self) -> Path:
         return self.spool_dir or self.output_dir / ".spool"

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 
@@ -16,6 +17,7 @@ from celery import Celery
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import (
+    BREAKERS,
     GENERATE_TASK,
     WORKERS,
     WORKERS_SEEN,
@@ -52,10 +54,11 @@ def job_gpus(r: redis.Redis, job: jobs.Job) -> list[str]:
 
 
 def serving_gpus(book: Ledger, s: Settings, job: jobs.Job) -> list[str]:
-    """The GPUs that take the job's work now: allowed by its selection, their worker alive."""
+    """The GPUs that take the job's work now: allowed by its selection, their worker alive and
+    its breaker closed (unavailable_gpus)."""
     allowed = [g for g in job_gpus(book.r, job) if job.selection.allows(g)]
-    gone = gone_gpus(book.r, allowed, s.worker_gone_after_s)
-    return [g for g in allowed if g not in gone]
+    unavailable = unavailable_gpus(book.r, allowed, s)
+    return [g for g in allowed if g not in unavailable]
 
 
 def topup_all(app: Celery, book: Ledger, s: Settings, job: jobs.Job) -> int:
@@ -284,25 +287,59 @@ def _collect_waiting(payload, queue: str, job: str, now: float, into: dict[str, 
         into.setdefault(queue, []).append(prompt_id)
 
 
-def gone_gpus(r: redis.Redis, gpus: list[str], after_s: float) -> dict[str, float]:
-    """The GPUs among `gpus` without a live worker, each with the age past which the prompts
-    dispatched to it go back to pending (drain_gone): `after_s` for a worker that has not
-    stamped its heartbeat (heartbeat.py) for `after_s` (killed, its node lost: a restart may yet
-    come back to its queue), 0 for one that stopped cleanly (which removes the stamp: a node
-    leaving, a warm stop) or never stamped it. A worker restarted cleanly takes new work at once."""
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """A GPU that takes no work now, why, and the age past which its prompts go to the job's
+    other GPUs (drain_gone)."""
+    why: str
+    older_than_s: float
+
+
+def unavailable_gpus(r: redis.Redis, gpus: list[str], s: Settings) -> dict[str, Unavailable]:
+    """The GPUs among `gpus` that take no work, and since when their prompts go elsewhere:
+    - a worker gone: no heartbeat (heartbeat.py) for `worker_gone_after_s` (killed, its node
+      lost: a restart may yet come back to its queue), its prompts dispatched before then; one
+      that stopped cleanly (which removes the stamp: a node leaving, a warm stop) or never
+      stamped, all of them at once. A worker restarted cleanly takes new work at once.
+    - a worker alive whose breaker is open (breaker.py): misconfigured or failing every request
+      the same way, at once; a server that stopped answering, once it has been open for
+      `breaker_handover_s`. Its messages held meanwhile are skipped when they run."""
     seconds, micros = r.time()
     now = seconds + micros / 1e6
-    stamps = r.hmget(WORKERS_SEEN, [queue_for(g) for g in gpus]) if gpus else []
-    return {g: 0.0 if stamp is None else after_s for g, stamp in zip(gpus, stamps)
-            if stamp is None or now - float(stamp) > after_s}
+    names = [queue_for(g) for g in gpus]
+    stamps = r.hmget(WORKERS_SEEN, names) if gpus else []
+    breakers = r.hmget(BREAKERS, names) if gpus else []
+    out: dict[str, Unavailable] = {}
+    for gpu, stamp, raw in zip(gpus, stamps, breakers):
+        if stamp is None:
+            out[gpu] = Unavailable("its worker stopped", 0.0)
+        elif now - float(stamp) > s.worker_gone_after_s:
+            out[gpu] = Unavailable(f"no heartbeat for {s.worker_gone_after_s}s",
+                                   s.worker_gone_after_s)
+        elif (breaker := _open_breaker(raw)) is not None:
+            kind, since, error = breaker
+            if kind != "transient" or time.time() - since >= s.breaker_handover_s:
+                out[gpu] = Unavailable(f"its circuit breaker is open ({kind}: {error})", 0.0)
+    return out
+
+
+def _open_breaker(raw: bytes | None) -> tuple[str, float, str] | None:
+    """(kind, opened at, last error) of a published breaker that is open; None otherwise."""
+    try:
+        b = json.loads(raw) if raw else {}
+    except ValueError:
+        return None
+    if b.get("state") != "open":
+        return None
+    return str(b.get("kind", "transient")), float(b.get("opened_at") or 0), str(b.get("last_error", ""))[:300]
 
 
 def drain_gone(book: Ledger, job: str, gpu: str, older_than_s: float) -> int:
-    """A GPU whose worker is gone (gone_gpus says so, and says `older_than_s`): put the prompts
-    dispatched to it more than `older_than_s` ago back in front of pending, withdrawing their
-    queued messages, so the job's other GPUs generate them. A message the dead worker still held
-    comes back with it, finds its prompt no longer in flight there, and is skipped. Returns how
-    many went back."""
+    """A GPU that takes no work (unavailable_gpus says so, and says `older_than_s`): put the
+    prompts dispatched to it more than `older_than_s` ago back in front of pending, withdrawing
+    their queued messages, so the job's other GPUs generate them. A message its worker still
+    held comes back with it (or wakes from the breaker's wait), finds its prompt no longer in
+    flight there, and is skipped. Returns how many went back."""
     key = JobKeys(job).inflight(gpu)
     old = {m.decode() for m in book.r.zrangebyscore(key, "-inf", time.time() - older_than_s)}
     if not old:

@@ -149,10 +149,9 @@ def retry_failed(app: Celery, book: Ledger, s: Settings, job: str, *, reason: st
             report.by_reason[why] = moved_here
             report.requeued += moved_here
     if report.requeued and not dry_run:
+        # A done job runs again in the step that moved its prompts (requeue_failed.lua).
         info = jobs.load(r, job)
         report.status = info.status if info else report.status
-        if report.status == "done" and jobs.transition(r, job, "done", "running"):
-            report.status = "running"  # the lifecycle: a done job with work again runs
         if report.status == "running":
             report.dispatched += dispatch.topup_all(app, book, s, info)
     return report

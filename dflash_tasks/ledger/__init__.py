@@ -19,6 +19,7 @@ import redis
 
 from dflash_tasks.core.connections import redis_client
 from dflash_tasks.core.keys import BREAKERS, MEMORY_HOLD, WORKERS, WORKERS_SEEN, JobKeys, queue_for
+from dflash_tasks.core.lifecycle import STATES
 from dflash_tasks.core.settings import Settings, get_settings
 from dflash_tasks.ledger import bodies
 from dflash_tasks.ledger.messages import decode_messages, encode_messages
@@ -31,6 +32,10 @@ SPEED_MIN_TOKENS = 64     # the shortest request that counts for its GPU's speed
 # Rows that ended "stop" are most of a job and rarely generated again: they are not in the index
 # of rows by finish reason (regenerate reads the batches to find them). Every other reason is.
 UNINDEXED_REASONS = frozenset({"stop"})
+
+
+class JobGone(LookupError):
+    """The job was deleted while a command was writing into it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,17 +105,21 @@ class Ledger:
                 (_HERE / f"{part}.lua").read_text() for part in (prelude.get(name), name) if part))
             for name in ("unknown_ids", "add_prompts", "take", "complete", "fail", "record_batch", "retry",
                          "requeue_failed", "reopen", "recall", "drop_sealed", "clear_sealing",
-                         "ship_spooled",
+                         "ship_spooled", "finish", "update_job", "drop_settled", "claim_gpu",
                          "train_run_set")}
 
     # -- enqueue ---------------------------------------------------------------------------------
 
     def add_prompts(self, job: str, prompts: Sequence[tuple[str, str]]) -> int:
-        """Store (id, messages_json) pairs not seen before and queue them; returns how many."""
+        """Store (id, messages_json) pairs not seen before and queue them; returns how many.
+        Raises JobGone when the job was deleted meanwhile (nothing is stored then)."""
         k = JobKeys(job)
         argv = [x for pair in prompts for x in pair]
-        return int(self._scripts["add_prompts"](keys=[k.prompts, k.pending, k.done, k.counters],
-                                                args=argv))
+        added = int(self._scripts["add_prompts"](
+            keys=[k.prompts, k.pending, k.done, k.counters, k.config], args=argv))
+        if added < 0:
+            raise JobGone(f"job {job} was deleted while its prompts were being stored")
+        return added
 
     def unknown_positions(self, job: str, ids: Sequence[str]) -> list[int]:
         """The 0-based positions of the ids the job neither stores nor has done (a resumed
@@ -164,7 +173,7 @@ class Ledger:
         k = JobKeys(job)
         out = ended.completion_tokens
         return bool(self._scripts["reopen"](
-            keys=[k.done, k.prompts, k.pending, k.counters, k.ended(ended.finish_reason)],
+            keys=[k.done, k.prompts, k.pending, k.counters, k.ended(ended.finish_reason), k.config],
             args=[ended.id, entry, ended.prompt_tokens, out, ended.finish_reason, ended.gpu,
                   out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, continued_tokens,
                   ended.indexed]))
@@ -202,8 +211,13 @@ class Ledger:
         k = JobKeys(job)
         return int(self._scripts["recall"](keys=[k.inflight(gpu), k.pending, k.done], args=list(ids)))
 
-    def drop_inflight(self, job: str, gpu: str, prompt_id: str) -> None:
-        self.r.zrem(JobKeys(job).inflight(gpu), prompt_id)
+    def drop_settled(self, job: str, gpu: str, prompt_id: str) -> bool:
+        """Take a prompt that has its outcome (done, failed) or left the job out of gpu's
+        in-flight set, checked in the same step (drop_settled.lua): one taken back and
+        dispatched here again since the caller looked keeps its fresh entry. True when removed."""
+        k = JobKeys(job)
+        return bool(self._scripts["drop_settled"](
+            keys=[k.inflight(gpu), k.done, k.failed, k.prompts], args=[prompt_id]))
 
     def restamp_inflight(self, job: str, gpu: str, ids: Sequence[str], at: float) -> None:
         """Dispatched again now (the reaper): their in-flight time restarts; an id that left the
@@ -272,6 +286,35 @@ class Ledger:
             keys=[k.config, k.failed, k.pending, k.done, k.prompts, k.counters], args=argv)
         return int(moved), int(missing)
 
+    def finish(self, job: str) -> str:
+        """Mark a running job done if, in this very step, every prompt has its outcome and
+        nothing waits anywhere (finish.lua). Returns "done", or what still holds it."""
+        k = JobKeys(job)
+        return _s(self._scripts["finish"](
+            keys=[k.config, k.counters, k.pending, k.output, k.sealing, k.gpus],
+            args=[k.inflight("")]))
+
+    def transition(self, job: str, expect: str, status: str) -> bool:
+        """Set the job's status to `status` only if it is still `expect`: a command checked
+        against the state it read never overwrites a change made since (a pause racing beat's
+        done, an enqueue). False when it changed; nothing is written then."""
+        if status not in STATES:
+            raise ValueError(f"unknown status {status!r}; one of {', '.join(STATES)}")
+        return not self.update_job(job, {"status": [expect]}, {"status": status})
+
+    def update_job(self, job: str, expect: dict[str, Iterable[str]],
+                   changes: dict[str, str]) -> dict[str, str]:
+        """Write `changes` into the job's config only if each field in `expect` still holds one
+        of its values ("" for absent), in one step (update_job.lua). Returns {} when written,
+        else {field: its value now} for each field that differed (nothing is written then)."""
+        argv: list = [len(expect)]
+        for field, allowed in expect.items():
+            argv += [field, json.dumps(list(allowed))]
+        for field, value in changes.items():
+            argv += [field, value]
+        wrong = self._scripts["update_job"](keys=[JobKeys(job).config], args=argv)
+        return {_s(wrong[i]): _s(wrong[i + 1]) for i in range(0, len(wrong), 2)}
+
     def failed_records(self, job: str) -> Iterable[tuple[str, str]]:
         """(id, raw record JSON) for every prompt in the failed registry, by HSCAN."""
         for prompt_id, raw in self.r.hscan_iter(JobKeys(job).failed, count=1000):
@@ -304,6 +347,20 @@ class Ledger:
         pipe.wait(self.wait_replicas, self.wait_timeout_ms)
         self._check_replicas(pipe.execute()[-1], f"job {job}'s batch")
 
+    def replicated(self, job: str, what: str) -> bool:
+        """With wait_replicas: whether the replicas have every write made so far (one write on
+        this connection, then WAIT: replication is ordered, so it covers every earlier write of
+        any connection). True without wait_replicas. A local file whose only other record is
+        such a write (a spooled batch, once shipped) is removed only when this says True."""
+        if not self.wait_replicas:
+            return True
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hincrby(JobKeys(job).counters, "spooled", 0)  # a write, changing nothing
+        pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+        replicas = pipe.execute()[-1]
+        self._check_replicas(replicas, what)
+        return replicas >= self.wait_replicas
+
     def _check_replicas(self, replicas: int, what: str) -> None:
         """Fewer replicas than asked within the timeout: the write stands on the master alone
         (a failover now may lose it; the ledger recovers it then, docs/WHEN_THINGS_FAIL.md). Go
@@ -327,6 +384,17 @@ class Ledger:
     def clear_sealing(self, job: str, intent: str) -> bool:
         """Clear the job's sealing intent if it is still `intent` (batches.py's last step)."""
         return bool(self._scripts["clear_sealing"](keys=[JobKeys(job).sealing], args=[intent]))
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def claim_gpu(self, gpu: str, registration: str, fresh_s: float, *,
+                  release: bool = False) -> str:
+        """Register this worker for `gpu` and stamp its heartbeat, unless another holds the name
+        with a heartbeat younger than fresh_s (claim_gpu.lua); with `release`, remove the stamp
+        if it is ours. Returns "" when done, else the holder's registration JSON."""
+        return _s(self._scripts["claim_gpu"](
+            keys=[WORKERS, WORKERS_SEEN],
+            args=[queue_for(gpu), registration, fresh_s, "release" if release else "claim"]))
 
     # -- training runs ---------------------------------------------------------------------------
 

@@ -1,9 +1,13 @@
 -- Store new prompts and queue them for dispatch, skipping ids already known (resume).
--- KEYS: prompts, pending, done, counters     ARGV: id1, messages1, id2, messages2, ...
--- Returns the number of prompts added.
+-- KEYS: prompts, pending, done, counters, config     ARGV: id1, messages1, id2, messages2, ...
+-- Returns the number of prompts added, or -1 when the job no longer exists (deleted while its
+-- dataset was read: nothing is written). A done job with new prompts runs again in this step.
 -- A few commands per chunk, not per prompt: one SMISMEMBER for the done marks, one HSETNX per
 -- prompt, one RPUSH of the new ids (in slices: Lua's unpack takes a few thousand values at most).
 local SLICE = 1000
+if redis.call('EXISTS', KEYS[5]) == 0 then
+  return -1
+end
 local added, ids = {}, {}
 for i = 1, #ARGV, 2 do
   ids[#ids + 1] = ARGV[i]
@@ -22,5 +26,8 @@ for first = 1, #added, SLICE do
 end
 if #added > 0 then
   redis.call('HINCRBY', KEYS[4], 'total', #added)
+  if redis.call('HGET', KEYS[5], 'status') == 'done' then
+    redis.call('HSET', KEYS[5], 'status', 'running')
+  end
 end
 return #added

@@ -83,9 +83,12 @@ class ChunkWriter:
 
     def __init__(self, r: redis.Redis, job: str, location: str, storage: ChunkStorage):
         self.r, self.job, self.location, self.storage = r, job, location, storage
+        self.written = 0  # chunks stored so far: a failed new job removes them, if any
 
     def __call__(self, frames: list[bytes]) -> list[bytes]:
-        return write_chunk(self.storage, self.job, jobs.next_body_chunk(self.r, self.job), frames)
+        refs = write_chunk(self.storage, self.job, jobs.next_body_chunk(self.r, self.job), frames)
+        self.written += 1
+        return refs
 
 
 def write_chunk(storage: ChunkStorage, job: str, chunk: int, frames: list[bytes]) -> list[bytes]:

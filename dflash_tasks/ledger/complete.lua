@@ -7,6 +7,9 @@
 --       tokens_per_s (the request's; empty when too short to say)
 -- Returns 1 when recorded, 0 when the id was already done (a duplicate delivery) or the job was
 -- deleted while the request ran (nothing is written: its keys stay gone).
+-- A row recorded after the job was marked done (a late delivery of a prompt in the failed
+-- registry) moves it back to running in this step: beat ticks running jobs only, and a done
+-- job's rows must all be shipped.
 local id = ARGV[1]
 if redis.call('EXISTS', KEYS[9]) == 0 then
   return 0
@@ -20,6 +23,9 @@ if redis.call('HDEL', KEYS[4], id) == 1 then
   redis.call('HINCRBY', KEYS[5], 'failed', -1)
 elseif was_here == 0 then
   forget_elsewhere(id, KEYS[8], KEYS[10], ARGV[9], ARGV[6])
+end
+if redis.call('HGET', KEYS[9], 'status') == 'done' then
+  redis.call('HSET', KEYS[9], 'status', 'running')
 end
 local input_tokens, output_tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
 local gpu = 'gpu:' .. ARGV[6] .. ':'

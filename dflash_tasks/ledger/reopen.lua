@@ -4,7 +4,9 @@
 -- follow the newest row, so they keep equalling the dataset.
 -- Its record in the index of rows by finish reason (complete.lua writes it) goes with the done
 -- mark: the id is no longer done, and its next row is indexed under the reason it ends with.
--- KEYS: done, prompts, pending, counters, ended(finish_reason)
+-- A done job runs again in the same step (the lifecycle: beat marks it done once more when the
+-- prompts taken back have their rows shipped).
+-- KEYS: done, prompts, pending, counters, ended(finish_reason), config
 -- ARGV: id, prompt_entry, input_tokens, output_tokens, finish_reason, gpu, hist_bucket,
 --       continued_tokens (ids kept from the old output; 0 to start over), indexed (the first
 --       line of the index record as regenerate read it; empty: the row was read from a batch)
@@ -22,6 +24,9 @@ if redis.call('SREM', KEYS[1], id) == 0 then
   return 0
 end
 redis.call('HDEL', KEYS[5], id)
+if redis.call('HGET', KEYS[6], 'status') == 'done' then
+  redis.call('HSET', KEYS[6], 'status', 'running')
+end
 redis.call('HSET', KEYS[2], id, ARGV[2])
 redis.call('RPUSH', KEYS[3], id)
 local input_tokens, output_tokens = tonumber(ARGV[3]), tonumber(ARGV[4])

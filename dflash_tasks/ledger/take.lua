@@ -22,6 +22,11 @@
 -- (15% or more, complete.lua's `speed`) than another takes from that one's queue even while its
 -- own still holds messages: they finish sooner here. Only this job's messages published here
 -- are moved (not retries, which carry their attempt count).
+local function breaker_open(gpu)
+  local breaker = redis.call('HGET', KEYS[11], gpu)
+  return breaker and string.find(breaker, '"state": *"open"') ~= nil
+end
+
 local function steal(only_slower)
   local job, gpu, task, inflight_prefix = ARGV[2], ARGV[3], ARGV[4], ARGV[7]
   local own = tonumber(redis.call('HGET', KEYS[8], gpu))
@@ -108,10 +113,8 @@ local function leave_to_faster(left)
     local speed = tonumber(redis.call('HGET', KEYS[8], other))
     if other ~= ARGV[3] and speed and speed >= 1.15 * own and allowed(other) then
       local seen = tonumber(redis.call('HGET', KEYS[9], other))
-      local breaker = redis.call('HGET', KEYS[11], other)
       local worker = redis.call('HGET', KEYS[10], other)
-      local open = breaker and string.find(breaker, '"state": *"open"') ~= nil
-      if seen and now - seen <= tonumber(ARGV[8]) and worker and not open then
+      if seen and now - seen <= tonumber(ARGV[8]) and worker and not breaker_open(other) then
         local ok, reg = pcall(cjson.decode, worker)
         local slots = ok and type(reg) == 'table' and tonumber(reg.concurrency) or 0
         reserve = reserve + slots * (speed / own - 1)
@@ -134,6 +137,11 @@ end
 -- --nodes) takes nothing: its worker still refills after each of the job's requests it
 -- finishes there.
 if not allowed(ARGV[3]) then
+  return {}
+end
+-- A GPU whose breaker is open (its server does not answer, or is misconfigured: breaker.py)
+-- takes nothing: it could send nothing, and beat hands what it holds to the other GPUs.
+if breaker_open(ARGV[3]) then
   return {}
 end
 local room = tonumber(ARGV[1]) - redis.call('ZCARD', KEYS[3])

@@ -334,9 +334,13 @@ class BatchWriter:
                 self.book.ship_spooled(job, name, raw.decode(), json.dumps(shipped), counts)
                 log.info("job %s: shipped %s from the spool to %s", job, name, shipped["location"])
             done.append(name)
+        # A file leaves the spool only once its manifest record says "in the storage" on the
+        # replicas too (with DFLASH_REDIS_WAIT_REPLICAS): a failover must not lose the only
+        # record of where the batch went. Unreplicated, the files stay for the next flush.
         if done:
             lock.still_held()
-            if self._write_manifest_or_note(job):
+            if self._write_manifest_or_note(job) and \
+                    self.book.replicated(job, f"job {job}'s shipped spool records"):
                 for name in done:
                     self.spool.discard(job, name)
 

@@ -29,6 +29,7 @@ from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import (
     BEAT_SEEN,
+    BREAKERS,
     MEMORY_HOLD,
     SERVERS,
     WORKERS,
@@ -85,6 +86,7 @@ class Reads:
     workers: dict[str, dict]         # GPU -> the worker's registration
     heartbeats: dict[str, float]     # GPU -> Redis time of the worker's last heartbeat
     servers: dict[str, dict]         # GPU -> its SGLang server's /metrics sample
+    breakers: dict[str, dict]        # GPU -> its worker's circuit breaker (breaker.py)
     beat_seen: float | None          # Redis time of beat's last tick
     sealing_batch: str | None        # the batch being sealed
     storage_error: dict[str, str]    # empty while storage works
@@ -140,6 +142,7 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
     multi.named("memory_hold").get(MEMORY_HOLD)
     multi.named("heartbeats").hgetall(WORKERS_SEEN)
     multi.named("servers").hgetall(SERVERS)
+    multi.named("breakers").hgetall(BREAKERS)
     multi.named("beat_seen").get(BEAT_SEEN)
     for gpu in gpus:
         multi.named(("in_flight", gpu)).zcard(k.inflight(gpu))
@@ -172,6 +175,7 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
         workers={key.decode(): json.loads(v) for key, v in got["workers"].items()},
         heartbeats={key.decode(): float(v) for key, v in got["heartbeats"].items()},
         servers={key.decode(): json.loads(v) for key, v in got["servers"].items()},
+        breakers={key.decode(): json.loads(v) for key, v in got["breakers"].items()},
         beat_seen=float(beat_seen) if beat_seen else None,
         sealing_batch=json.loads(sealing)["name"] if sealing else None,
         storage_error={key.decode(): v.decode() for key, v in got["storage_error"].items()},
@@ -260,10 +264,27 @@ def _aliased(fields: dict) -> dict:
     return out
 
 
+def gpu_state(reads: Reads, gpu: str, alive: bool) -> tuple[str, str | None]:
+    """Whether the GPU takes work, and if not why: "serving"; "no_worker" (none registered, or
+    stopped, or its heartbeat went silent); or its open breaker's kind (breaker.py: "transient",
+    the server does not answer; "misconfigured"; "repeated_failure") with its last error."""
+    if not alive:
+        return "no_worker", ("its worker stopped or was never started" if gpu not in reads.heartbeats
+                             else "no heartbeat from its worker")
+    breaker = reads.breakers.get(gpu) or {}
+    if breaker.get("state") == "open":
+        return str(breaker.get("kind", "transient")), breaker.get("last_error")
+    return "serving", None
+
+
 def render_gpu(reads: Reads, gpu: str, s: Settings) -> dict:
     age = heartbeat_age_s(reads, gpu)
+    alive = age is not None and age < ALIVE_PERIODS * s.worker_heartbeat_s
+    state, why = gpu_state(reads, gpu, alive)
     return _aliased({
         "node": (parse_gpu(gpu) or (0, None))[1],
+        "state": state,
+        "state_reason": why,
         "completed": count(reads, f"gpu:{gpu}:completed"),
         "output_tokens": count(reads, f"gpu:{gpu}:output_tokens"),
         "request_throughput": round(per_second(reads, f"{gpu}:c"), 3),
@@ -272,7 +293,7 @@ def render_gpu(reads: Reads, gpu: str, s: Settings) -> dict:
         "retry_waiting": reads.retry_waiting[gpu],
         "retries": count(reads, f"gpu:{gpu}:retries"),
         "worker": reads.workers.get(gpu, {}).get("hostname"),
-        "alive": age is not None and age < ALIVE_PERIODS * s.worker_heartbeat_s,
+        "alive": alive,
         "heartbeat_age_s": age,
         # The server's own view (its /metrics, sampled by the worker): running requests
         # below its decode slots while prompts are pending means the slots are not full.

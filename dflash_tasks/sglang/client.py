@@ -18,8 +18,11 @@ import httpx
 from dflash_tasks.sglang.errors import (
     BadResponse,
     EmptyResponse,
+    ModelChanged,
     RequestAborted,
     RequestTimeout,
+    ServerInfoUnreadable,
+    ServerNotFound,
     ServerUnavailable,
     SGLangError,
     error_for_status,
@@ -122,16 +125,43 @@ class SGLangClient:
 
     def served_model(self) -> str:
         """The exact served model name from /v1/models (a guessed name with ':' would be read as
-        a LoRA adapter). Cached: a server keeps its name for life."""
+        a LoRA adapter). Cached: a server keeps its name for life, and a server restarted with
+        another model is found out (model_now) rather than followed."""
         with self._lock:
             if self._model is None:
-                data = self._get_json("/v1/models")
-                try:
-                    self._model = data["data"][0]["id"]
-                except (KeyError, IndexError, TypeError):
-                    raise BadResponse(f"/v1/models lists no model: {str(data)[:200]}",
-                                      url=self.base_url) from None
+                self._model = self._read_model()
             return self._model
+
+    def _read_model(self) -> str:
+        data = self._get_identity("/v1/models")
+        try:
+            return str(data["data"][0]["id"])
+        except (KeyError, IndexError, TypeError):
+            raise ServerInfoUnreadable(f"/v1/models lists no model: {str(data)[:200]}",
+                                       url=self.base_url) from None
+
+    def identity_ok(self) -> bool:
+        """Whether the URL answers as the SGLang this client first met: /server_info readable and
+        /v1/models serving the same model (a misconfigured GPU's breaker probes this, not
+        /health, which a wrong server may well answer)."""
+        try:
+            self._get_identity("/server_info")
+            model = self._read_model()
+        except SGLangError:
+            return False
+        return self._model is None or model == self._model
+
+    def _get_identity(self, path: str) -> Any:
+        """A JSON object from one of the server's own endpoints; anything else there is a
+        deployment fault (another product, a proxy page), not a passing one."""
+        try:
+            data = self._get_json(path)
+        except BadResponse as exc:
+            raise ServerInfoUnreadable(f"{path}: {exc.message}", url=self.base_url) from None
+        if not isinstance(data, dict):
+            raise ServerInfoUnreadable(f"{path} is not an object: {str(data)[:200]}",
+                                       url=self.base_url)
+        return data
 
     def metrics_text(self) -> str:
         """The server's Prometheus /metrics (SGLang serves it with --enable-metrics)."""
@@ -145,18 +175,14 @@ class SGLangClient:
         return response.text
 
     def server_info(self) -> dict:
-        return self._get_json("/server_info")
+        return self._get_identity("/server_info")
 
     def contract(self) -> ServerContract:
         """The server's chat template fingerprint and reasoning parser, from /server_info (its
         launch arguments). Cached, like the model name: a server keeps its arguments for life."""
         with self._lock:
             if self._contract is None:
-                info = self.server_info()
-                if not isinstance(info, dict):
-                    raise BadResponse(f"/server_info is not an object: {str(info)[:200]}",
-                                      url=self.base_url)
-                self._contract = ServerContract.from_server_info(info)
+                self._contract = ServerContract.from_server_info(self.server_info())
             return self._contract
 
     # -- generation -----------------------------------------------------------------------------
@@ -178,8 +204,24 @@ class SGLangClient:
             if value is not None:
                 body[name] = value
         started = time.monotonic()
-        data = self._post_json("/v1/chat/completions", body)
+        try:
+            data = self._post_json("/v1/chat/completions", body)
+        except ServerNotFound as exc:
+            self._raise_if_model_changed()
+            raise exc from None
         return parse_chat(data, latency_s=time.monotonic() - started, url=self.base_url)
+
+    def _raise_if_model_changed(self) -> None:
+        """After a 404 for the model this client sends: a server restarted with another model
+        says so here (ModelChanged); otherwise the 404 stands."""
+        try:
+            now = self._read_model()
+        except SGLangError:
+            return
+        if self._model is not None and now != self._model:
+            raise ModelChanged(f"the server serves {now!r} now, not {self._model!r} (restarted "
+                               "with another model?): restart this worker to generate with it",
+                               url=self.base_url)
 
     def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None,

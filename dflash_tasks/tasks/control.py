@@ -62,12 +62,20 @@ def tick_job(name: str) -> dict | None:
         lock.still_held()
         beside_batches = _write_progress(r, s, name, storage, snap)
         # Done only once the final progress.json is beside the batches: a done job has no more
-        # ticks, so a failed last upload is retried by staying "running" one more tick.
-        # Done only if nothing changed since the snapshot (an enqueue that added prompts, a pause):
-        # otherwise the next tick writes the job as it is now.
-        if finished and beside_batches and snap["storage_error"] is None and \
-                jobs.transition(r, name, "running", "done", expect_total=snap["total"]):
-            log.info("job %s: done, %d completed, %d failed", name, snap["completed"], snap["failed"])
+        # ticks, so a failed last upload is retried by staying "running" one more tick. And
+        # done only if, at the instant it is written, nothing waits anywhere (finish.lua): a
+        # retry-failed, a regenerate or a late row since the snapshot keeps it running, and
+        # the next tick writes the job as it is then.
+        if finished and beside_batches and snap["storage_error"] is None:
+            s.failpoint("tick.before_finish")
+            outcome = shared_ledger().finish(name)
+            if outcome == "done":
+                log.info("job %s: done, %d completed, %d failed", name, snap["completed"],
+                         snap["failed"])
+            else:  # the progress.json just written said done: it says the truth again at once
+                log.info("job %s: not done after all (%s)", name, outcome)
+                snap = snapshot(r, name, s)
+                _write_progress(r, s, name, storage, snap)
     return snap
 
 
@@ -209,19 +217,18 @@ def maintain() -> None:
         # Every GPU the job ever used (its prompts may be there) and every registered GPU its
         # selection allows, a node that joined since included: its GPUs get work now.
         gpus = dispatch.job_gpus(r, job)
-        gone = dispatch.gone_gpus(r, gpus, s.worker_gone_after_s)
-        serving = [g for g in gpus if g not in gone and job.selection.allows(g)]
+        unavailable = dispatch.unavailable_gpus(r, gpus, s)
+        serving = [g for g in gpus if g not in unavailable and job.selection.allows(g)]
         for gpu in gpus:
-            if gpu in gone:
-                # Nothing is sent to a GPU without a worker (its node left or died); what waits
-                # there moves to the GPUs that have one (when none has, it stays: the first
-                # worker back takes it).
-                back = dispatch.drain_gone(book, job.name, gpu, gone[gpu]) if serving else 0
+            if gpu in unavailable:
+                # Nothing is sent to a GPU without a worker (its node left or died) or whose
+                # server cannot take work; what waits there moves to the GPUs that can (when
+                # none can, it stays: the first one back takes it).
+                why = unavailable[gpu]
+                back = dispatch.drain_gone(book, job.name, gpu, why.older_than_s) if serving else 0
                 if back:
                     log.warning("job %s %s: %s; %d prompts in flight there went back to pending "
-                                "for the other GPUs", job.name, gpu,
-                                f"no heartbeat for {s.worker_gone_after_s}s" if gone[gpu]
-                                else "its worker stopped", back)
+                                "for the other GPUs", job.name, gpu, why.why, back)
                 continue
             reaped = dispatch.reap(app, book, s, job.name, gpu, unacked)
             if reaped:

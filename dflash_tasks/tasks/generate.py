@@ -41,9 +41,15 @@ from dflash_tasks.core.settings import get_settings
 from dflash_tasks.dispatch import topup
 from dflash_tasks.ledger import bodies
 from dflash_tasks.ledger.messages import decode_messages
-from dflash_tasks.output.storage import StorageError, StorageNotFound, storage_at
 from dflash_tasks.output.rows import build_row
-from dflash_tasks.sglang import PermanentError, SGLangError, TransientError
+from dflash_tasks.output.storage import StorageError, StorageNotFound, storage_at
+from dflash_tasks.sglang import (
+    DeploymentError,
+    InvalidRequest,
+    PermanentError,
+    SGLangError,
+    TransientError,
+)
 from dflash_tasks.sglang.continuation import continue_generation
 from dflash_tasks.tasks.app import app
 from dflash_tasks.worker.runtime import runtime
@@ -106,14 +112,17 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
     if shutdown.requested():
         raise Reject("worker shutting down: prompt returned to its queue", requeue=True)
     state = durable("reading the prompt", book.task_state, job, prompt_id, gpu)
+    runtime().settings.failpoint("generate.after_read")
+    # An outcome already there: the prompt leaves this GPU's in-flight set, unless it came back
+    # and was dispatched here again since the read (drop_settled checks in the same step).
     if state.done:
-        book.drop_inflight(job, gpu, prompt_id)
+        book.drop_settled(job, gpu, prompt_id)
         return {"id": prompt_id, "skipped": "already done"}
     if state.failed:
-        book.drop_inflight(job, gpu, prompt_id)
+        book.drop_settled(job, gpu, prompt_id)
         return {"id": prompt_id, "skipped": "in the failed registry (see retry-failed)"}
     if not state.stored or state.params is None:
-        book.drop_inflight(job, gpu, prompt_id)
+        book.drop_settled(job, gpu, prompt_id)
         return {"id": prompt_id, "skipped": "not pending (job removed)"}
     if not state.in_flight_here:
         # Recalled from this GPU (a cancel, a GPU the job no longer uses, this worker given up
@@ -127,12 +136,17 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
     s = get_settings()
     client = runtime().client(gpu)
     circuit = runtime().breaker(gpu)
+    was_open = not circuit.closed
     if not circuit.wait_closed(s.breaker_wait_s):
         # Nothing was sent: the prompt goes back to the queue with its attempts unspent, and
         # this thread is free (the visibility timeout never runs out on a waiting message).
         why = "worker shutting down" if shutdown.requested() else \
             f"server unavailable for {s.breaker_wait_s:.0f}s (circuit open)"
         raise Reject(f"{why}: prompt returned to its queue", requeue=True)
+    if was_open and not durable("reading the prompt", book.task_state, job, prompt_id,
+                                gpu).in_flight_here:
+        # While this waited, beat handed the GPU's prompts to the others (a breaker open long).
+        return {"id": prompt_id, "skipped": f"handed to another GPU while {gpu} was unavailable"}
 
     attempt = tries + 1
     # Unique per request (SGLang keys its running requests by rid), so a stray second delivery
@@ -166,8 +180,16 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
             raise self.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
                              args=(job, prompt_id, gpu), kwargs={"tries": attempt})
         _fail(job, prompt_id, gpu, exc, attempt)
+    except DeploymentError as exc:
+        # Not the prompt's fault: no attempt spent, no failure recorded. The GPU stops taking
+        # work at once and beat hands its prompts to the job's other GPUs (breaker.py).
+        circuit.trip(exc.reason, str(exc), client.identity_ok)
+        raise Reject(f"{gpu}: {exc}: prompt returned to its queue", requeue=True) from None
     except PermanentError as exc:
-        circuit.record_success()  # the server answered
+        if isinstance(exc, InvalidRequest) and exc.context_too_long:
+            circuit.record_success()  # the server answered, about this prompt at this cap
+        else:  # answered, but the same answer to every request is the server's (breaker.py)
+            circuit.record_permanent(exc.reason, str(exc))
         _fail(job, prompt_id, gpu, exc, attempt)
     circuit.record_success()
     row = build_row(prompt_id, messages, completion, job=job, gpu=gpu, params=params,

@@ -14,6 +14,19 @@ answers 503 while starting or while a long prefill delays it, so one answer neve
 A breaker that opens again soon after it closed (a server whose /health says 200 while its
 requests fail) stays open longer each time, so a flapping server cannot turn into a retry storm.
 
+Two faults open it at once, because they are the deployment's and no prompt can succeed there
+(sglang/errors.py's DeploymentError): what answers at the URL is not the SGLang it should be (a
+404 on its own endpoints, 401/403 from a proxy, an unreadable /server_info, another model). Its
+kind is then "misconfigured", and it closes only when the server's identity reads right again
+(`identity_ok`, probed like /health), not on /health, which a wrong server may answer. And, as a
+safety net, `threshold` consecutive permanent failures of one reason that are not known to be the
+prompt's (a context too long for the cap is): kind "repeated_failure", which stays open until
+the worker restarts, since no probe can tell a fixed server from a broken one.
+
+While it is open the GPU takes no new work (take.lua), and beat hands its prompts to the job's
+other GPUs (dispatch.unavailable_gpus): at once for the two kinds above, after
+`breaker_handover_s` for a server that stopped answering.
+
 The state is published (best effort) in Redis under `dflash:breakers` for `manage.py failed`
 and logged at every change.
 """
@@ -36,6 +49,9 @@ from dflash_tasks.worker.shutdown import Shutdown
 log = logging.getLogger(__name__)
 
 CLOSED, OPEN = "closed", "open"
+# Why it is open: transient failures in a row, the deployment's fault, the same permanent
+# failure in a row.
+TRANSIENT, MISCONFIGURED, REPEATED_FAILURE = "transient", "misconfigured", "repeated_failure"
 
 
 class CircuitBreaker:
@@ -54,8 +70,12 @@ class CircuitBreaker:
         self._clock = clock
         self._cond = threading.Condition()
         self.state = CLOSED
+        self.kind = TRANSIENT
         self.consecutive_failures = 0
+        self.same_failures = 0                  # consecutive permanent failures of one reason
+        self._same_reason = ""
         self.last_error = ""
+        self._active_probe: Callable[[], bool] | None = probe
         self.opened_at: float | None = None    # wall-clock time, for operators
         self._opened_mono = 0.0
         self._closed_mono: float | None = None
@@ -84,24 +104,54 @@ class CircuitBreaker:
             return self.state == CLOSED and not self._shutdown.requested()
 
     def record_success(self) -> None:
-        if self.consecutive_failures:
+        if self.consecutive_failures or self.same_failures:
             with self._cond:
                 self.consecutive_failures = 0
+                self.same_failures = 0
 
     def record_failure(self, error: str) -> None:
+        """A transient failure (the server did not answer)."""
         with self._cond:
             self.consecutive_failures += 1
             self.last_error = error[:500]
             opened = self.state == CLOSED and self.consecutive_failures >= self.threshold
             if opened:
-                self._open()
+                self._open(TRANSIENT, self._probe)
+        if opened:
+            self._changed()
+
+    def record_permanent(self, reason: str, error: str) -> None:
+        """A permanent failure that is not known to be the prompt's: the server answered, but
+        `threshold` of them in a row, of one reason, is a server that answers everything so."""
+        with self._cond:
+            self.consecutive_failures = 0
+            if reason != self._same_reason:
+                self._same_reason, self.same_failures = reason, 0
+            self.same_failures += 1
+            opened = self.state == CLOSED and self.same_failures >= self.threshold
+            if opened:
+                self.last_error = (f"the last {self.same_failures} requests all failed with "
+                                   f"{reason}: {error[:400]}")
+                self._open(REPEATED_FAILURE, None)
+        if opened:
+            self._changed()
+
+    def trip(self, reason: str, error: str, identity_probe: Callable[[], bool]) -> None:
+        """The deployment's fault (sglang.DeploymentError): open now, until identity_probe says
+        the server is the right one again."""
+        with self._cond:
+            self.last_error = f"{reason}: {error[:480]}"
+            opened = self.state == CLOSED
+            if opened:
+                self._open(MISCONFIGURED, identity_probe)
         if opened:
             self._changed()
 
     # -- state changes -------------------------------------------------------------------------
 
-    def _open(self) -> None:  # with self._cond held
+    def _open(self, kind: str, probe: Callable[[], bool] | None) -> None:  # with self._cond held
         now = self._clock()
+        self.kind, self._active_probe = kind, probe
         if self._closed_mono is not None and now - self._closed_mono < 2 * self.probe_cap_s:
             # Opened again soon after closing: /health says yes, requests say no.
             self._min_open_s = min(max(2 * self._min_open_s, self.probe_base_s * 4), 600.0)
@@ -111,18 +161,30 @@ class CircuitBreaker:
         self.opened_at = time.time()
         self._opened_mono = now
         self.times_opened += 1
-        log.warning("%s: circuit open after %d consecutive transient failures (last: %s); no "
-                    "requests until /health answers 200 %d times in a row%s", self.name,
-                    self.consecutive_failures, self.last_error, self.close_after,
-                    f" and at least {self._min_open_s:.0f}s have passed" if self._min_open_s else "")
-        threading.Thread(target=self._probe_loop, name=f"breaker-{self.name}", daemon=True).start()
+        if kind == TRANSIENT:
+            log.warning("%s: circuit open after %d consecutive transient failures (last: %s); no "
+                        "requests until /health answers 200 %d times in a row%s", self.name,
+                        self.consecutive_failures, self.last_error, self.close_after,
+                        f" and at least {self._min_open_s:.0f}s have passed" if self._min_open_s
+                        else "")
+        elif kind == MISCONFIGURED:
+            log.error("%s: circuit open, the server is misconfigured (%s): this GPU takes no work "
+                      "and its prompts go to the other GPUs until its /server_info and /v1/models "
+                      "read right again", self.name, self.last_error)
+        else:
+            log.error("%s: circuit open, %s: this GPU takes no work and its prompts go to the "
+                      "other GPUs; restart this worker once the server is fixed", self.name,
+                      self.last_error)
+        if probe is not None:
+            threading.Thread(target=self._probe_loop, name=f"breaker-{self.name}",
+                             daemon=True).start()
 
     def _close(self) -> None:
         with self._cond:
             if self.state == CLOSED:
                 return
             self.state = CLOSED
-            self.consecutive_failures = 0
+            self.consecutive_failures = self.same_failures = 0
             self._closed_mono = self._clock()
             open_for = self._closed_mono - self._opened_mono
             self._cond.notify_all()
@@ -137,7 +199,7 @@ class CircuitBreaker:
                 return
             self.probes += 1
             try:
-                ok = bool(self._probe())
+                ok = bool(self._active_probe and self._active_probe())
             except Exception:  # a probe that raises is a failed probe
                 ok = False
             if ok:
@@ -159,7 +221,8 @@ class CircuitBreaker:
                 log.debug("%s: could not publish the breaker state", self.name, exc_info=True)
 
     def snapshot(self) -> dict:
-        return {"state": self.state, "consecutive_failures": self.consecutive_failures,
+        return {"state": self.state, "kind": self.kind,
+                "consecutive_failures": self.consecutive_failures,
                 "last_error": self.last_error, "opened_at": self.opened_at,
                 "times_opened": self.times_opened, "probes": self.probes}
 

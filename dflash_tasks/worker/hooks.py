@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import time
 
 from celery import bootsteps, signals
@@ -19,9 +17,10 @@ from celery.worker.state import active_requests, reserved_requests
 from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
 from dflash_tasks.core.connections import PersistenceError, check_persistence
-from dflash_tasks.core.keys import WORKERS, gpu_order, parse_gpu, queue_for
+from dflash_tasks.core.keys import gpu_order, parse_gpu, queue_for
 from dflash_tasks.core.settings import redact_url
-from dflash_tasks.sglang import SGLangClient, SGLangError
+from dflash_tasks.sglang import DeploymentError, SGLangClient, SGLangError
+from dflash_tasks.worker import heartbeat
 from dflash_tasks.worker.breaker import publish_closed
 from dflash_tasks.worker.runtime import runtime
 
@@ -59,17 +58,28 @@ def _wait_for_servers(sender, instance, conf, **_):
                 next_warning = waited + HEALTH_WARN_EVERY_S
             time.sleep(2.0)
         client.close()
+        registration = _claim(gpu, instance.concurrency, sender, url)
+        # What a dead predecessor published is cleared, then the server's identity decides.
+        publish_closed(runtime().r, gpu, url)
         _learn_contract(gpu, url)
-        _register(gpu, instance.concurrency, sender, url)
+        log.info("%s: worker %s ready, concurrency %d, server %s", gpu, sender,
+                 instance.concurrency, redact_url(url))
+        runtime().start_reporting(gpu, registration)  # progress.json's "alive", its server's load
 
 
 def _learn_contract(gpu: str, url: str) -> None:
     """Ask the server once for what every row of this GPU records besides the request: its chat
-    template's fingerprint and its reasoning parser (the process's client caches them). A server
+    template's fingerprint, its reasoning parser and its model (the process's client caches
+    them; a server that is not SGLang, or not the right one, opens the breaker). A server
     without a reasoning parser leaves the reasoning inside `content`: say so now, not after a
     day of generation."""
+    client = runtime().client(gpu)
     try:
-        contract = runtime().client(gpu).contract()
+        contract = client.contract()
+        client.served_model()  # learnt now: a server restarted with another model is found out
+    except DeploymentError as exc:  # not SGLang, or not the right one: take no work (breaker.py)
+        runtime().breaker(gpu).trip(exc.reason, str(exc), client.identity_ok)
+        return
     except SGLangError as exc:  # the first task asks again
         log.warning("%s: could not read %s/server_info (%s); the first task asks again", gpu,
                     redact_url(url), exc)
@@ -81,13 +91,19 @@ def _learn_contract(gpu: str, url: str) -> None:
                     "reasoning inside content", gpu, redact_url(url))
 
 
-def _register(gpu: str, concurrency: int, hostname: str, url: str) -> None:
-    runtime().r.hset(WORKERS, queue_for(gpu), json.dumps({
-        "concurrency": concurrency, "hostname": hostname, "host": socket.gethostname(),
-        "pid": os.getpid(), "url": redact_url(url), "started_at": time.time()}))
-    log.info("%s: worker %s ready, concurrency %d, server %s", gpu, hostname, concurrency,
-             redact_url(url))
-    runtime().start_reporting(gpu)  # progress.json's per-GPU "alive" and server load
+def _claim(gpu: str, concurrency: int, hostname: str, url: str) -> str:
+    """Register this worker for the GPU (its concurrency sizes the dispatch window), refusing to
+    start while another live worker holds the GPU's name (heartbeat.claim). Returns the
+    registration, which every heartbeat claims again."""
+    registration = json.dumps({
+        "concurrency": concurrency, "hostname": hostname, **heartbeat.identity(),
+        "url": redact_url(url), "started_at": time.time()})
+    try:
+        heartbeat.claim(runtime().book, gpu, registration, runtime().settings.worker_heartbeat_s)
+    except heartbeat.GpuTaken as exc:
+        log.critical("%s", exc)
+        raise SystemExit(2) from None
+    return registration
 
 
 def _stop_reporting(**_):
@@ -122,8 +138,6 @@ def _check_failure_settings(sender, instance, conf, **_):
                     "can stay unacknowledged here (%.0fs: request timeout + retry wait + breaker "
                     "wait): long tasks will be delivered twice (the ledger keeps one row)",
                     s.visibility_timeout_s, s.longest_unacked_s())
-    for gpu in gpus_consumed(instance.app):
-        publish_closed(runtime().r, gpu, s.sglang_url_for(gpu))
 
 
 class RestoreOnConnect(bootsteps.StartStopStep):

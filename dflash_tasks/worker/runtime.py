@@ -4,9 +4,13 @@ GPUs, whether its prompt storage is failing, and its shutdown state. Celery's si
 `runtime()`. Nothing else in the worker keeps state between tasks."""
 from __future__ import annotations
 
+import json
+import logging
+import os
+import signal
 import threading
 import time
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import redis
 
@@ -18,6 +22,7 @@ from dflash_tasks.worker import heartbeat, server_metrics
 from dflash_tasks.worker.breaker import CircuitBreaker, publisher
 from dflash_tasks.worker.shutdown import Shutdown
 
+log = logging.getLogger(__name__)
 # Connections to a server beyond the worker's threads: its breaker's /health probes share the
 # client, and must not wait behind requests that hold every connection for minutes.
 POOL_MARGIN = 4
@@ -60,6 +65,7 @@ class WorkerRuntime:
         self._clients: dict[str, SGLangClient] = {}
         self._breakers: dict[str, CircuitBreaker] = {}
         self._reporting: dict[str, threading.Event] = {}  # gpu -> stops its reporting threads
+        self._registrations: dict[str, str] = {}  # gpu -> this worker's registration JSON
         self.concurrency: int | None = None  # the Celery pool's threads, once the worker knows
         self.prompt_storage = OutageLog()  # reads of prompt texts kept on storage (generate.py)
 
@@ -96,20 +102,34 @@ class WorkerRuntime:
                     shutdown=self.shutdown)
             return self._breakers[url]
 
-    def start_reporting(self, gpu: str) -> None:
-        """gpu's heartbeat (progress.json's "alive") and its server's /metrics samples, each from
-        a daemon thread; once per GPU."""
+    def start_reporting(self, gpu: str, registration: str) -> None:
+        """gpu's heartbeat (progress.json's "alive", and this worker's claim of the GPU's name:
+        heartbeat.py) and its server's /metrics samples, each from a daemon thread; once per
+        GPU."""
         with self._lock:
             if gpu in self._reporting:
                 return
             stop = self._reporting[gpu] = threading.Event()
+            self._registrations[gpu] = registration
         s = self.settings
-        threading.Thread(target=heartbeat.run, args=(self.r, gpu, s.worker_heartbeat_s, stop),
+        threading.Thread(target=heartbeat.run,
+                         args=(self.book, gpu, registration, s.worker_heartbeat_s, stop,
+                               partial(self._taken_over, gpu)),
                          name=f"heartbeat {gpu}", daemon=True).start()
         threading.Thread(target=server_metrics.run,
                          args=(self.r, gpu, SGLangClient(s.sglang_url_for(gpu)),
                                s.server_metrics_interval_s, stop),
                          name=f"server metrics {gpu}", daemon=True).start()
+
+    def _taken_over(self, gpu: str, holder: str) -> None:
+        """Another worker holds this GPU's name now (this process stood still longer than a
+        fresh heartbeat): two consumers of one queue hand back each other's prompts, so this one
+        stops, warmly (SIGTERM: its requests finish or go back to the queue)."""
+        found = json.loads(holder)
+        log.critical("%s: the worker on host %s (pid %s) holds this GPU's name now; this worker "
+                     "stops (give each node its own DFLASH_NODE)", gpu, found.get("host"),
+                     found.get("pid"))
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def stop_reporting(self) -> None:
         """A clean stop: the threads end and the heartbeats are removed (the GPUs read as not
@@ -117,9 +137,10 @@ class WorkerRuntime:
         with self._lock:
             stopped = list(self._reporting.items())
             self._reporting.clear()
+            registrations, self._registrations = self._registrations, {}
         for _, stop in stopped:
             stop.set()
-        heartbeat.clear(self.r, [gpu for gpu, _ in stopped])
+        heartbeat.clear(self.book, registrations)
 
 
 @lru_cache(maxsize=1)
