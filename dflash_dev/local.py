@@ -139,9 +139,10 @@ class LocalCluster:
         self._on_stop: list[Callable[[], object]] = []
         self._n = 0
 
-    def spawn(self, name: str, args: list[str]) -> Proc:
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        """A child process, in the cluster's environment (or `env`), logging to its own file."""
         self._n += 1
-        proc = Proc(args, self.logs / f"{self._n:02d}-{name}.log", env=self.env)
+        proc = Proc(args, self.logs / f"{self._n:02d}-{name}.log", env=env or self.env)
         self.children.append(proc)
         self.named[name] = proc
         return proc

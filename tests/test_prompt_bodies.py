@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
 
 import pytest
 import redis
@@ -185,6 +186,83 @@ def test_a_chunk_gone_fails_its_prompts_for_good_with_the_reason(cluster, tmp_pa
     records = [json.loads(v) for v in c.r.hvals("dflash:{gone}:failed")]
     assert {r["reason"] for r in records} == {"prompt_body_missing"}
     assert all("chunk-000001.zst" in r["error"] and r["class"] == "permanent" for r in records)
+
+
+def test_a_chunk_cut_short_fails_only_its_lost_prompts_at_once(cluster, moto, tmp_path):
+    """Issue 27, item 10: an object shorter than its references (on S3: a ranged read past its
+    end answers 416, or fewer bytes). Before: retried forever (532 retries after 40 s). Now the
+    prompts whose bytes are gone fail at once, prompt_body_missing; the others are generated."""
+    c = s3_cluster(cluster, moto.url)
+    path, ids = dataset(tmp_path, 40)
+    c.manage("enqueue", "--dataset", str(path), "--job", "short", "--gpus", "1", "--bodies", "storage")
+    st = storage(moto.url)
+    key = "short/prompts/chunk-000001.zst"
+    whole = st.get(key)
+    st.put(key, whole[:len(whole) // 2])
+    refs = {pid.decode(): bodies.Reference.parse(ref)
+            for pid, ref in c.r.hgetall("dflash:{short}:prompts").items()}
+    lost = {pid for pid, ref in refs.items() if ref.offset + ref.length > len(whole) // 2}
+    assert 0 < len(lost) < len(ids)
+    start(c, gpus=(0,))
+    snap = c.wait_done("short", timeout=120)
+    assert snap["failed"] == len(lost) and snap["completed"] == len(ids) - len(lost)
+    assert set(json.loads(c.manage("failed", "--job", "short", "--json").stdout)["reasons"]) == \
+        {"prompt_body_missing"}
+    assert {k.decode() for k in c.r.hkeys("dflash:{short}:failed")} == lost
+    assert snap["retry_reasons"].get("prompt_storage", 0) == 0
+
+
+def test_a_node_without_credentials_takes_no_work_and_fails_nothing(cluster, moto, tmp_path):
+    """Issue 27, item 10: a GPU worker that cannot read the prompts' texts because S3 refuses
+    it (here it has no credentials at all) is the deployment's fault: no prompt fails, the GPU
+    says why in status, and a restart with credentials finishes the job."""
+    from s3support import AWS_ENV
+
+    c = s3_cluster(cluster, moto.url)
+    path, ids = dataset(tmp_path, 30)
+    c.manage("enqueue", "--dataset", str(path), "--job", "nocreds", "--gpus", "1",
+             "--bodies", "storage")
+    c.start_server(0, "--decode-tps", "4000")
+    with_creds = dict(c.env)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "DFLASH_S3_URI"):
+        c.env.pop(name, None)
+    try:
+        c.start_worker(0)
+    finally:
+        c.env = with_creds
+    c.start_beat()
+    gpu = wait_until(lambda: (g := c.status("nocreds")["gpus"][c.gpu(0)])["state"] ==
+                     "misconfigured" and g, timeout=60, what="the GPU shown misconfigured")
+    assert "prompt_storage_denied" in gpu["state_reason"] and "no AWS credentials" in \
+        gpu["state_reason"], gpu
+    assert c.status("nocreds")["failed"] == 0
+    c.workers[0].stop()
+    assert AWS_ENV["AWS_ACCESS_KEY_ID"] == c.env["AWS_ACCESS_KEY_ID"]
+    c.start_worker(0)
+    snap = c.wait_done("nocreds", timeout=120)
+    assert snap["completed"] == len(ids) and snap["failed"] == 0
+
+
+def test_beat_and_workers_refuse_s3_settings_they_cannot_use(cluster, moto, tmp_path):
+    """Issue 27, item 11: a malformed DFLASH_S3_URI is refused by every command and process,
+    naming the variable; beat and workers refuse S3 without credentials, and beat a bucket that
+    does not exist."""
+    from support import ROOT, python
+
+    c = s3_cluster(cluster, moto.url)
+    for command in (["status", "--job", "x"], ["beat"], ["worker", "--gpu", "0"]):
+        result = subprocess.run(python("manage.py", *command), cwd=ROOT, capture_output=True,
+                                text=True, timeout=60, env={**c.env, "DFLASH_S3_URI": "s3:/bucket"})
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert "DFLASH_S3_URI: not an S3 URI: 's3:/bucket'" in result.stderr, result.stderr
+    no_creds = {k: v for k, v in c.env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    beat = c.spawn("beat-nocreds", python("manage.py", "beat"), env=no_creds)
+    wait_until(lambda: not beat.alive(), timeout=60, what="beat to refuse")
+    assert "no AWS credentials on this node" in beat.log() and beat.popen.returncode != 0
+    beat = c.spawn("beat-nobucket", python("manage.py", "beat"),
+                   env={**c.env, "DFLASH_S3_URI": "s3://no-such-bucket/x"})
+    wait_until(lambda: not beat.alive(), timeout=60, what="beat to refuse")
+    assert "there is no bucket no-such-bucket" in beat.log(), beat.log()[-2000:]
 
 
 def test_enqueue_to_an_unreachable_s3_says_so_and_leaves_nothing(cluster, moto, tmp_path):

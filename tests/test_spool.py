@@ -278,6 +278,77 @@ def test_dispatch_is_held_near_maxmemory_and_while_a_job_cannot_seal(r):
     assert len(take()) == 2 and snapshot(r, JOB, Settings())["dispatch_held"] is None
 
 
+def test_a_shipped_spool_file_stays_until_a_replica_has_its_record(tmp_path):
+    """Issue 27, item 5: with DFLASH_REDIS_WAIT_REPLICAS, a spooled batch's file leaves beat's
+    disk only once a replica has the manifest record that says it is in the storage; a failover
+    could otherwise lose the only record of where it went. A replica that does not answer (here
+    stopped with SIGSTOP) keeps the file for the next flush."""
+    import signal
+
+    from support import Proc, free_port
+
+    def server(name: str, *extra: str) -> tuple[Proc, redis_lib.Redis]:
+        port = free_port()
+        (tmp_path / name).mkdir()
+        proc = Proc(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "yes", "--dir", str(tmp_path / name), *extra],
+                    tmp_path / f"{name}.log")
+        client = redis_lib.Redis(port=port)
+        wait_until(client.ping, timeout=20, what=f"redis {name}")
+        return proc, client
+
+    master_proc, master = server("master")
+    replica_proc, replica = server("replica", "--replicaof", "127.0.0.1",
+                                   str(master.connection_pool.connection_kwargs["port"]))
+    try:
+        wait_until(lambda: replica.info("replication")["master_link_status"] == "up", timeout=30,
+                   what="the replica in sync")
+        jobs.save(master, JOB, jobs.GenerationParams(), selection=jobs.GpuSelection.parse("all"),
+                  dataset="x", status="running")
+        book = Ledger(master, wait_replicas=1, wait_timeout_ms=300)
+        book.add_prompts(JOB, [(f"p{i:04d}", "[]") for i in range(50)])
+        writer = _writer(master, book, tmp_path)
+        writer.storage.down = True
+        _complete(book, range(50))
+        assert writer.flush(JOB) and writer.spool.names(JOB)
+        writer.storage.down = False
+        replica_proc._signal(signal.SIGSTOP)  # the replica acknowledges nothing
+        try:
+            writer.flush(JOB)
+            [record] = [json.loads(v) for v in master.hvals(JobKeys(JOB).manifest)]
+            assert record["location"] != SPOOLED                 # shipped, recorded on the master
+            assert writer.spool.names(JOB), "the file stays until a replica has the record"
+        finally:
+            replica_proc._signal(signal.SIGCONT)
+        writer.flush(JOB)
+        assert writer.spool.names(JOB) == []
+        [record] = [json.loads(v) for v in replica.hvals(JobKeys(JOB).manifest)]
+        assert record["location"] != SPOOLED
+    finally:
+        replica_proc.stop()
+        master_proc.stop()
+
+
+def test_beat_without_s3_says_why_a_spooled_job_waits_and_delete_takes_the_spool(cluster, r, tmp_path):
+    """Issue 27, item 11: batches spooled for S3, then beat restarted without DFLASH_S3_URI.
+    Before: the job stayed running forever with nothing said, and delete left the files. Now
+    status names the cause, and delete removes the job's spool."""
+    c = cluster(spool_dir=str(tmp_path / "spool"))
+    book = _job(r, 50)
+    writer = _writer(r, book, tmp_path, spool_root=tmp_path / "spool")
+    writer.storage.down = True
+    _complete(book, range(50))
+    assert writer.flush(JOB, final=True) and writer.spool.names(JOB)
+    c.start_beat()
+    snap = wait_until(lambda: (s := c.status(JOB))["storage_error"] and s, timeout=60,
+                      what="the spool's reason in status")
+    assert "without DFLASH_S3_URI" in snap["storage_error"]["error"] and snap["status"] == "running"
+    c.manage("pause", "--job", JOB)
+    out = c.manage("delete", "--job", JOB, "--yes").stdout
+    assert "1 batches removed from the spool" in out, out
+    assert not (tmp_path / "spool" / JOB).exists()
+
+
 # -- a whole run against moto's S3 server ------------------------------------------------------------
 
 def test_a_long_outage_keeps_redis_flat_then_every_row_ships_once(cluster, moto, tmp_path):

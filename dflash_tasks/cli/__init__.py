@@ -59,10 +59,18 @@ def cli() -> None:
 
 
 def main() -> None:
+    from pydantic import ValidationError
+
+    from dflash_tasks.core.settings import describe_invalid
     from dflash_tasks.output.storage import StorageError
 
     try:
         cli(prog_name="manage.py")
+    except ValidationError as exc:
+        if exc.title != "Settings":
+            raise
+        click.echo(f"Error: {describe_invalid(exc)}", err=True)  # nothing has started
+        raise SystemExit(2) from None
     except StorageError as exc:
         # The output storage does not answer (S3 cut, a bucket that vanished): a command that
         # reads the shipped batches says so and which object, instead of a traceback.

@@ -117,10 +117,12 @@ def delete(name: str) -> None:
     or bucket."""
     from dflash_tasks.core.settings import get_settings
     from dflash_tasks.ledger.bodies import remove_chunks
+    from dflash_tasks.output.spool import Spool
     from dflash_tasks.output.storage import StorageError, storage_at
 
     r = redis_or_fail()
-    allowed_or_fail("delete", job_or_fail(r, name))
+    job = job_or_fail(r, name)
+    allowed_or_fail("delete", job)
     # The chunks first: a storage that does not answer leaves the job as it was, to delete again.
     # (The job is paused or cancelled: nothing reads a chunk meanwhile.)
     location = jobs.body_location(r, name)
@@ -132,7 +134,16 @@ def delete(name: str) -> None:
             raise click.ClickException(f"job {name}: its prompt chunks under {location} could not "
                                        f"be removed ({exc}); nothing was deleted: run delete again "
                                        "when the storage answers") from None
+    spooled = int(r.hget(job.keys.counters, "spooled") or 0)
     removed = jobs.delete(r, name)
     console.print(f"job {name}: deleted ({removed} Redis keys); its shipped batches are kept")
+    # Batches beat spooled during an S3 outage and never shipped: their rows leave with the job.
+    spool = Spool(get_settings().spool_path())
+    gone = spool.remove_job(name)
+    if gone:
+        console.print(f"job {name}: {gone:,} batches removed from the spool {spool.root}")
+    elif spooled:
+        console.print(f"job {name}: {spooled:,} batches of it were in beat's spool, not on this "
+                      f"machine: remove {spool.root / name} on beat's machine")
     if location is not None:
         console.print(f"job {name}: {chunks:,} chunks of prompt bodies removed from {location}")

@@ -6,13 +6,14 @@ job and live in Redis, so `manage.py set` reaches every worker without a restart
 from __future__ import annotations
 
 import random
+import re
 import socket
 import time
 from functools import lru_cache
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dflash_tasks.core.keys import check_node_name, parse_gpu
@@ -185,6 +186,13 @@ class Settings(BaseSettings):
     # third=hold:/path" (hold: create /path.reached, then wait while /path exists).
     failpoints: str = ""
 
+    @field_validator("s3_uri")
+    @classmethod
+    def _s3_uri_is_usable(cls, uri: str | None) -> str | None:
+        if uri:  # empty: no S3
+            parse_s3_uri(uri)
+        return uri or None
+
     @field_validator("node")
     @classmethod
     def _node_name(cls, value: str) -> str:
@@ -253,7 +261,32 @@ def get_settings() -> Settings:
     return Settings()
 
 
+def describe_invalid(exc: ValidationError) -> str:
+    """A settings error as an operator reads it: each variable named as it is set
+    (DFLASH_S3_URI), with what is wrong, never the value (it may hold a password)."""
+    problems = []
+    for error in exc.errors():
+        field_name = str(error["loc"][0]) if error.get("loc") else "?"
+        message = str(error.get("msg", "")).removeprefix("Value error, ")
+        problems.append(f"DFLASH_{field_name.upper()}: {message}")
+    return "; ".join(problems)
+
+
 SENTINEL_PORT = 26379
+# A bucket name as S3 allows it: 3 to 63 lower-case letters, digits, dots and hyphens.
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """("bucket", "prefix") from "s3://bucket/prefix" (the prefix may be empty); ValueError
+    naming what is wrong otherwise (s3:/bucket, a bucket name S3 refuses)."""
+    parts = urlsplit(uri)
+    if parts.scheme != "s3" or not parts.netloc or not uri.startswith("s3://"):
+        raise ValueError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
+    if not _BUCKET.match(parts.netloc):
+        raise ValueError(f"{uri!r}: {parts.netloc!r} is not a bucket name (3 to 63 lower-case "
+                         "letters, digits, '.' and '-')")
+    return parts.netloc, parts.path.strip("/")
 
 
 def sentinel_nodes(url: str) -> tuple[list[tuple[str, int]], int] | None:

@@ -53,6 +53,17 @@ class Spool:
         return sorted(e[:-len(SUFFIX)] for e in entries
                       if e.endswith(SUFFIX) and BATCH_NAME.fullmatch(e[:-len(SUFFIX)]))
 
+    def remove_job(self, job: str) -> int:
+        """Remove every batch the job has here (its job is deleted); returns how many went."""
+        names = self.names(job)
+        for name in names:
+            self.discard(job, name)
+        try:
+            (self.root / check_job_name(job)).rmdir()
+        except OSError:  # not there, or something else in it: left as it is
+            pass
+        return len(names)
+
     def discard(self, job: str, name: str) -> None:
         """Remove a batch that is in the storage now (a missing one is fine: already gone)."""
         self.path(job, name).unlink(missing_ok=True)

@@ -18,9 +18,8 @@ import threading
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Protocol
-from urllib.parse import urlsplit
 
-from dflash_tasks.core.settings import Settings, redact_url
+from dflash_tasks.core.settings import Settings, parse_s3_uri, redact_url
 
 
 def process_umask() -> int:
@@ -44,6 +43,21 @@ class StorageError(RuntimeError):
 
 class StorageNotFound(StorageError, FileNotFoundError):
     """The object does not exist."""
+
+
+class StorageCorrupt(StorageError):
+    """The object is there but not as its references say: shorter than a ranged read expects,
+    or the range lies outside it. Waiting will not mend it."""
+
+
+class StorageDenied(StorageError):
+    """The storage refuses this process (no credentials, access denied, a key it does not know):
+    the deployment's fault, not an object's, and waiting will not mend it either."""
+
+
+# S3 error codes of a refusal that no retry mends (botocore's NoCredentialsError has none).
+DENIED_CODES = frozenset({"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                          "ExpiredToken", "InvalidToken", "AllAccessDisabled", "AccountProblem"})
 
 
 class Storage(Protocol):
@@ -135,8 +149,8 @@ class LocalStorage:
         except OSError as exc:
             raise StorageError(f"{self.location(key)}: cannot read: {exc}") from None
         if len(data) != length:
-            raise StorageError(f"{self.location(key)}: {len(data)} bytes at offset {offset}, "
-                               f"expected {length} (the file is shorter than its references)")
+            raise StorageCorrupt(f"{self.location(key)}: {len(data)} bytes at offset {offset}, "
+                                 f"expected {length} (the file is shorter than its references)")
         return data
 
     def delete_prefix(self, key_prefix: str) -> int:
@@ -154,14 +168,6 @@ class LocalStorage:
 
     def location(self, key: str) -> str:
         return str(self.root / key)
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """("bucket", "prefix") from "s3://bucket/prefix" (the prefix may be empty)."""
-    parts = urlsplit(uri)
-    if parts.scheme != "s3" or not parts.netloc:
-        raise ValueError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
-    return parts.netloc, parts.path.strip("/")
 
 
 class S3Storage:
@@ -223,6 +229,28 @@ class S3Storage:
                               multipart_chunksize=self._chunksize,
                               max_concurrency=self._max_concurrency, use_threads=True)
 
+    def check(self, *, bucket: bool) -> str | None:
+        """What stops this process from using the storage at all, named by the variables that
+        set it up, or None: no credentials in boto3's chain; with `bucket`, a bucket that refuses
+        them or does not exist. An endpoint that does not answer is not such a fault (an outage:
+        beat's spool rides it out)."""
+        import boto3
+
+        if boto3.session.Session().get_credentials() is None:
+            return (f"DFLASH_S3_URI={self.uri} but no AWS credentials on this node: set "
+                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role")
+        if not bucket:
+            return None
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except Exception as exc:
+            err = self._error("check", "", exc)
+            if isinstance(err, StorageDenied):
+                return f"DFLASH_S3_URI={self.uri}: the bucket {self.bucket} refuses these credentials"
+            if isinstance(err, StorageNotFound):
+                return f"DFLASH_S3_URI={self.uri}: there is no bucket {self.bucket}"
+        return None
+
     def key_for(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
@@ -275,8 +303,9 @@ class S3Storage:
         except Exception as exc:
             raise self._error("download", key, exc) from None
         if len(data) != length:
-            raise StorageError(f"S3 download {self.location(key)}: {len(data)} bytes at offset "
-                               f"{offset}, expected {length} (the object is shorter than its references)")
+            raise StorageCorrupt(f"S3 download {self.location(key)}: {len(data)} bytes at offset "
+                                 f"{offset}, expected {length} (the object is shorter than its "
+                                 "references)")
         return data
 
     def delete_prefix(self, key_prefix: str) -> int:
@@ -330,6 +359,16 @@ class S3Storage:
         where = self.location(key)
         if code in ("404", "NoSuchKey", "NotFound"):
             return StorageNotFound(f"S3 {action} {where}: no such object")
+        if code in ("416", "InvalidRange"):
+            return StorageCorrupt(f"S3 {action} {where}: the range lies outside the object (it "
+                                  "is shorter than its references)")
+        if code in DENIED_CODES:
+            return StorageDenied(f"S3 {action} {where} refused ({code}): check this node's AWS "
+                                 "credentials and the bucket's policy")
+        if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+            return StorageDenied(f"S3 {action} {where}: no AWS credentials on this node (set "
+                                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an "
+                                 "instance role)")
         return StorageError(f"S3 {action} {where} failed: {redact_url(reason)}")
 
 

@@ -100,6 +100,12 @@ def _seal_and_ship(r, s, name: str, storage) -> None:
             hold.release_job(r, name)  # a batch left Redis: there is room again
         if writer.storage_failure is not None:
             _storage_state(r, name, writer.storage_failure, snap["unsealed_rows"])
+        elif snap["spooled_batches"] and not getattr(storage, "is_remote", False):
+            # Spooled for S3 by a beat that had it; this one has none to ship them to.
+            _storage_state(r, name, StorageError(
+                f"{snap['spooled_batches']} batches of job {name} wait in beat's spool for S3, but "
+                "this beat runs without DFLASH_S3_URI: start beat with the S3 settings (and on "
+                "the machine) it spooled them with"), snap["unsealed_rows"])
         elif written:
             _storage_state(r, name, None, snap["unsealed_rows"])
     prune_rate(r, name, list(snap["gpus"]), keep_s=2 * s.rate_window_s + 60)

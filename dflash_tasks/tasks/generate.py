@@ -11,9 +11,13 @@ What each failure does (docs/WHEN_THINGS_FAIL.md has the operator's side):
 - the server stops answering: the worker's circuit breaker (worker/breaker.py) opens, and tasks wait
   *before* sending their request, so they spend no attempt; after `breaker_wait_s` a task puts
   its prompt back in the queue and frees its thread;
-- the prompt's body cannot be read (kept on the output storage by `enqueue --bodies storage`, and
-  S3 is out): retried with backoff without spending an attempt, since nothing was sent; its chunk
-  gone altogether: straight to the failed registry ("prompt_body_missing");
+- the prompt's body cannot be read (kept on the output storage by `enqueue --bodies storage`):
+  S3 out, retried with backoff without spending an attempt, since nothing was sent; its chunk
+  gone or cut short, straight to the failed registry ("prompt_body_missing"); this node refused
+  (credentials), the GPU stops as for a misconfigured server (`_read_body`);
+- the server is not the SGLang it should be (sglang.DeploymentError: a 404 on its endpoints,
+  401/403, another model): the deployment's fault, no attempt spent, the GPU's breaker opens at
+  once and beat hands its prompts to the other GPUs;
 - Redis goes away mid-task (a restart): ledger writes are retried for `redis_outage_s`; every
   write is idempotent per prompt id, so a write that succeeded before the reply was lost is not
   counted twice;
@@ -30,6 +34,7 @@ import logging
 import random
 import time
 import uuid
+from functools import partial
 from typing import Callable, TypeVar
 
 import redis
@@ -42,7 +47,13 @@ from dflash_tasks.dispatch import topup
 from dflash_tasks.ledger import bodies
 from dflash_tasks.ledger.messages import decode_messages
 from dflash_tasks.output.rows import build_row
-from dflash_tasks.output.storage import StorageError, StorageNotFound, storage_at
+from dflash_tasks.output.storage import (
+    StorageCorrupt,
+    StorageDenied,
+    StorageError,
+    StorageNotFound,
+    storage_at,
+)
 from dflash_tasks.sglang import (
     DeploymentError,
     InvalidRequest,
@@ -52,6 +63,7 @@ from dflash_tasks.sglang import (
 )
 from dflash_tasks.sglang.continuation import continue_generation
 from dflash_tasks.tasks.app import app
+from dflash_tasks.worker.breaker import TRANSIENT
 from dflash_tasks.worker.runtime import runtime
 
 log = logging.getLogger(__name__)
@@ -203,18 +215,27 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
 
 
 def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> list[dict] | None:
-    """The conversation of a prompt whose body is kept on storage (ledger/bodies.py). Storage
-    out (S3 unreachable, a slow disk) is waited out like a server that does not answer: nothing
-    was sent, so the retry spends no attempt. A chunk that is gone fails the prompt for good."""
+    """The conversation of a prompt whose body is kept on storage (ledger/bodies.py), by fault:
+    - the storage out (S3 unreachable, a slow disk): waited out like a server that does not
+      answer, nothing was sent so the retry spends no attempt; once the outage has lasted
+      breaker_wait_s the GPU's breaker opens and says so (status), until a read works again;
+    - the chunk gone, or shorter than its reference: the prompt fails at once
+      (prompt_body_missing), since waiting will not bring it back;
+    - this node refused (no credentials, access denied): the deployment's fault, so the GPU
+      stops taking work and its prompts go elsewhere, like a misconfigured server."""
     outage = runtime().prompt_storage
     try:
         if state.body_location is None:
             raise StorageNotFound(f"job {job} records no location for its prompt bodies")
         storage = storage_at(state.body_location, get_settings(), readers=runtime().pool_size())
         frame = bodies.read_frame(storage, job, state.body_reference)
-    except StorageNotFound as exc:
+    except (StorageNotFound, StorageCorrupt) as exc:
         _record_failure(job, prompt_id, gpu, reason="prompt_body_missing", klass="permanent",
                         error=str(exc), status=None, attempts=tries)
+    except StorageDenied as exc:
+        runtime().breaker(gpu).trip("prompt_storage_denied", str(exc),
+                                    partial(_readable, storage, job, state.body_reference))
+        raise Reject(f"{gpu}: {exc}: prompt returned to its queue", requeue=True) from None
     except StorageError as exc:
         if not durable("counting a retry", runtime().book.note_retry, job, prompt_id, gpu,
                        "prompt_storage"):
@@ -224,12 +245,25 @@ def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> l
         log.log(logging.WARNING if outage.failed() else logging.DEBUG,
                 "prompt %s on %s: cannot read its text (%s); again in %.1fs, no attempt spent "
                 "(prompts wait until the storage answers)", prompt_id, gpu, exc, countdown)
+        if (lasted := outage.lasted_s()) >= get_settings().breaker_wait_s:
+            runtime().breaker(gpu).trip(
+                "prompt_storage", f"prompt texts unreadable for {lasted:.0f}s: {exc}",
+                partial(_readable, storage, job, state.body_reference), kind=TRANSIENT)
         raise task.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
                          args=(job, prompt_id, gpu), kwargs={"tries": tries})
     if (ended := outage.succeeded()) is not None:
         log.warning("prompt texts readable again after %.0fs (%d reads failed meanwhile)",
                     ended[1], ended[0])
     return decode_messages(frame)
+
+
+def _readable(storage, job: str, reference: bytes) -> bool:
+    """The breaker's probe while prompt texts cannot be read: one read of a prompt's bytes."""
+    try:
+        bodies.read_frame(storage, job, reference)
+        return True
+    except StorageError:
+        return False
 
 
 def _refill(job: str, gpu: str) -> None:

@@ -136,14 +136,16 @@ class CircuitBreaker:
         if opened:
             self._changed()
 
-    def trip(self, reason: str, error: str, identity_probe: Callable[[], bool]) -> None:
-        """The deployment's fault (sglang.DeploymentError): open now, until identity_probe says
-        the server is the right one again."""
+    def trip(self, reason: str, error: str, probe: Callable[[], bool], *,
+             kind: str = MISCONFIGURED) -> None:
+        """Open now, until `probe` says the fault is gone: by default the deployment's fault
+        (sglang.DeploymentError; the probe reads the server's identity), or `kind` TRANSIENT
+        for an outage that lasted too long (the probe tries again what failed)."""
         with self._cond:
             self.last_error = f"{reason}: {error[:480]}"
             opened = self.state == CLOSED
             if opened:
-                self._open(MISCONFIGURED, identity_probe)
+                self._open(kind, probe)
         if opened:
             self._changed()
 
@@ -161,7 +163,10 @@ class CircuitBreaker:
         self.opened_at = time.time()
         self._opened_mono = now
         self.times_opened += 1
-        if kind == TRANSIENT:
+        if kind == TRANSIENT and probe is not self._probe:
+            log.error("%s: circuit open, %s: this GPU takes no work until it reads again",
+                      self.name, self.last_error)
+        elif kind == TRANSIENT:
             log.warning("%s: circuit open after %d consecutive transient failures (last: %s); no "
                         "requests until /health answers 200 %d times in a row%s", self.name,
                         self.consecutive_failures, self.last_error, self.close_after,

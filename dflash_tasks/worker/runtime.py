@@ -46,6 +46,11 @@ class OutageLog:
                 self._since = time.monotonic()
             return self._failures == 1
 
+    def lasted_s(self) -> float:
+        """How long the outage under way has lasted; 0 when there is none."""
+        with self._lock:
+            return time.monotonic() - self._since if self._failures else 0.0
+
     def succeeded(self) -> tuple[int, float] | None:
         """(failures, seconds) of the outage this success ends; None when there was none."""
         with self._lock:
