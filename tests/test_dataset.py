@@ -156,3 +156,57 @@ def test_following_a_slow_job_stops_on_request(tmp_path):
     with pytest.raises(FollowStopped):
         next(samples)
     assert time.monotonic() - started < 30  # not the 60 s poll
+
+
+def test_every_shard_keeps_the_newest_row_of_a_regenerated_prompt(redis_url, tmp_path):
+    """Issue 27, item 7: a regenerated prompt has two rows, usually in batches of different
+    shards. Before: each shard kept the first it met, so the old row was trained on (and the new
+    one too, in another shard). Now beat lists the replaced rows in superseded.json, and the
+    two ranks together yield every id once, the newest row of each."""
+    import redis as redis_lib
+
+    from dflash_tasks.core import jobs
+    from dflash_tasks.ledger import Ledger
+    from dflash_tasks.ledger.messages import encode_messages
+    from dflash_tasks.output.batches import BatchPolicy, BatchWriter
+
+    r = redis_lib.Redis.from_url(redis_url)
+    book, job, n = Ledger(r), "newest", 60
+    jobs.save(r, job, jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="x")
+    book.add_prompts(job, [(f"good{i:04d}", encode_messages(good_row(i)["conversations"][:1]))
+                           for i in range(n)])
+    writer = BatchWriter(r, book, LocalStorage(tmp_path), BatchPolicy(rows=10, bytes=10**9,
+                                                                      max_age_s=10**6))
+    cut = set(range(0, n, 7))
+    for i in range(n):
+        row = good_row(i)
+        if i in cut:
+            row["metadata"]["finish_reason"] = "length"
+        assert book.complete(job, row["id"], "gpu0@a", row)
+    writer.flush(job, final=True)
+    for ended in book.ended_rows(job, "length"):                  # regenerate --finish-reason length
+        assert book.reopen(job, ended, ended.prompt, 0)
+    assert writer.write_superseded(job)                           # nothing replaced yet
+    for i in sorted(cut):
+        new = good_row(i + 1000)
+        new["id"] = f"good{i:04d}"
+        assert book.complete(job, new["id"], "gpu0@a", new)
+    writer.flush(job, final=True)
+    assert writer.write_superseded(job)
+    (tmp_path / job / "progress.json").write_text(json.dumps({"status": "done"}))
+
+    rules = Rules(min_loss_tokens=0, keep_truncated=True)
+    got = {}
+    for rank in (0, 1):
+        ds = JobDataset(job, tmp_path, rank=rank, world_size=2, rules=rules, tensors=False)
+        for sample in ds:
+            assert sample["id"] not in got, f"{sample['id']} yielded twice"
+            got[sample["id"]] = sample
+    assert set(got) == {f"good{i:04d}" for i in range(n)}
+    newest = {row["id"]: row for rec in read_manifest(LocalStorage(tmp_path), job)["batches"]
+              for row in read_batch(LocalStorage(tmp_path), rec)}   # the last one read wins
+    for rid, sample in got.items():
+        assert sample["input_ids"][-len(newest[rid]["token_ids"]["response"]):] == \
+            newest[rid]["token_ids"]["response"], rid
+    superseded = json.loads((tmp_path / job / "superseded.json").read_text())
+    assert superseded["rows"] == len(cut)

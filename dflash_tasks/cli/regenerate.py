@@ -148,17 +148,19 @@ def _why_every_batch(name: str, reason: str, indexed: int, counted: int) -> str:
 def _from_every_batch(book, r, storage, spool, name: str, reason: str, continue_output: bool,
                       cap: int, tally: Tally) -> None:
     """The rows found by reading the job's whole output, newest row per id first."""
+    from dataclasses import replace
+
     from dflash_tasks.ledger import EndedRow
-    from dflash_tasks.output.batches import iter_newest_rows
+    from dflash_tasks.output.batches import iter_newest_placed
     from dflash_tasks.sglang.continuation import entry_from_row
 
-    for row in iter_newest_rows(r, storage, name, spool=spool):
+    for place, row in iter_newest_placed(r, storage, name, spool=spool):
         meta = row["metadata"]
         if meta["finish_reason"] != reason:
             continue
         if continue_output and reason == "length" and meta["completion_tokens"] >= cap:
             _refuse_capped(name, row["id"], meta["completion_tokens"], cap)
-        tally.reopen(book, name, EndedRow.from_row(row),
+        tally.reopen(book, name, replace(EndedRow.from_row(row), entry=place),
                      entry_from_row(row, continue_output=continue_output))
         if tally.full():
             break

@@ -123,6 +123,20 @@ class JobKeys:
         return self._k(f"ended:{reason}")
 
     @property
+    def superseding(self) -> str:  # hash: id -> the place of its row a regenerate took back
+        # (its stream entry, or its batch's first entry), until its new row is recorded
+        return self._k("superseding")
+
+    @property
+    def superseded(self) -> str:  # set: "<place> <id>" of each row replaced by a newer one:
+        # beat writes them to <job>/superseded.json
+        return self._k("superseded")
+
+    @property
+    def superseded_written(self) -> str:  # string: how many of them superseded.json lists
+        return self._k("superseded:written")
+
+    @property
     def failed(self) -> str:      # hash: id -> JSON {reason, error, attempts, gpu, at}
         return self._k("failed")
 

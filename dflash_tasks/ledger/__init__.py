@@ -173,10 +173,11 @@ class Ledger:
         k = JobKeys(job)
         out = ended.completion_tokens
         return bool(self._scripts["reopen"](
-            keys=[k.done, k.prompts, k.pending, k.counters, k.ended(ended.finish_reason), k.config],
+            keys=[k.done, k.prompts, k.pending, k.counters, k.ended(ended.finish_reason), k.config,
+                  k.superseding],
             args=[ended.id, entry, ended.prompt_tokens, out, ended.finish_reason, ended.gpu,
                   out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, continued_tokens,
-                  ended.indexed]))
+                  ended.indexed, ended.entry]))
 
     def ended_count(self, job: str, reason: str) -> tuple[int, int]:
         """(rows in the index of rows that ended `reason`, rows the counters say ended so), read
@@ -238,7 +239,7 @@ class Ledger:
         out = int(meta["completion_tokens"])
         reason = meta["finish_reason"]
         keys = [k.done, k.inflight(gpu), k.prompts, k.failed, k.counters, k.rate, k.output,
-                k.pending, k.config, k.gpus, k.ended(reason), k.speed]
+                k.pending, k.config, k.gpus, k.ended(reason), k.speed, k.superseding, k.superseded]
         # Its prompt, kept in the index for a regenerate that reads no batch (a few KB at most,
         # compressed, for a fifth of the rows at the real run's figures: docs/ARCHITECTURE.md;
         # about 20 bytes when its text stays on storage): the entry as read, or the row's

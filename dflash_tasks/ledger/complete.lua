@@ -1,7 +1,7 @@
 -- Record a finished prompt exactly once: done mark, counters and output row in one atomic step,
 -- so the counters always equal what the output holds, whatever is delivered twice.
 -- KEYS: done, inflight(gpu), prompts, failed, counters, rate, output, pending, config, gpus,
---       ended(finish_reason), speed
+--       ended(finish_reason), speed, superseding, superseded
 -- ARGV: id, row_json, input_tokens, output_tokens, finish_reason, gpu, rate_bucket_s, hist_bucket,
 --       inflight_prefix, prompt (its messages as `prompts` stores them; empty: a reason not indexed),
 --       tokens_per_s (the request's; empty when too short to say)
@@ -53,6 +53,12 @@ if speed and speed > 0 then
   redis.call('HSET', KEYS[12], ARGV[6], old and old + 0.05 * (speed - old) or speed)
 end
 local entry = redis.call('XADD', KEYS[7], '*', 'id', id, 'row', ARGV[2])
+-- A regenerated prompt's new row: the row it replaces is superseded from now (reopen.lua).
+local replaced = redis.call('HGET', KEYS[13], id)
+if replaced then
+  redis.call('SADD', KEYS[14], replaced .. ' ' .. id)
+  redis.call('HDEL', KEYS[13], id)
+end
 -- The index regenerate reads instead of the rows (Ledger.ended_rows): where the row is (its
 -- stream entry, which names its batch once sealed), its share of the counters, and its prompt.
 -- Written here, with the done mark, so the two never disagree; reopen.lua takes it out again.

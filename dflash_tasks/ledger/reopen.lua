@@ -6,10 +6,15 @@
 -- mark: the id is no longer done, and its next row is indexed under the reason it ends with.
 -- A done job runs again in the same step (the lifecycle: beat marks it done once more when the
 -- prompts taken back have their rows shipped).
--- KEYS: done, prompts, pending, counters, ended(finish_reason), config
+-- The old row's place (its stream entry, or its batch's first entry) waits in `superseding`
+-- until the new row is recorded (complete.lua then marks the old one superseded), so that
+-- readers that cannot see every batch (the torch dataset) skip it: beat resolves the places to
+-- batches in <job>/superseded.json (batches.py).
+-- KEYS: done, prompts, pending, counters, ended(finish_reason), config, superseding
 -- ARGV: id, prompt_entry, input_tokens, output_tokens, finish_reason, gpu, hist_bucket,
 --       continued_tokens (ids kept from the old output; 0 to start over), indexed (the first
---       line of the index record as regenerate read it; empty: the row was read from a batch)
+--       line of the index record as regenerate read it; empty: the row was read from a batch),
+--       place (the old row's stream entry, or its batch's first entry; empty: unknown)
 -- Returns 1 when reopened, 0 when the id was not done (already reopened, or unknown) or its
 -- newest row is no longer the one indexed as read (taken back and finished again meanwhile:
 -- the shares given are not its row's).
@@ -24,6 +29,9 @@ if redis.call('SREM', KEYS[1], id) == 0 then
   return 0
 end
 redis.call('HDEL', KEYS[5], id)
+if ARGV[10] ~= '' then
+  redis.call('HSET', KEYS[7], id, ARGV[10])
+end
 if redis.call('HGET', KEYS[6], 'status') == 'done' then
   redis.call('HSET', KEYS[6], 'status', 'running')
 end

@@ -92,6 +92,10 @@ def manifest_key(job: str) -> str:
     return f"{job}/manifest.json"
 
 
+def superseded_key(job: str) -> str:
+    return f"{job}/superseded.json"
+
+
 def batch_name(first_entry_id: str) -> str:
     ms, seq = first_entry_id.split("-")
     return f"batch-{int(ms):013d}-{int(seq):04d}"
@@ -365,6 +369,37 @@ class BatchWriter:
     def write_manifest(self, job: str) -> None:
         self.storage.put(manifest_key(job), json.dumps(self.manifest(job), indent=1).encode())
 
+    def write_superseded(self, job: str) -> bool:
+        """<job>/superseded.json: per batch, the ids of its rows that a regenerate replaced
+        since (reopen.lua records each old row's place), for readers that see only some batches
+        and so cannot tell an old row from the newest (the torch dataset). Rewritten only when
+        a row was superseded since the last write, once its batch is known (a row still in the
+        stream waits for its batch); a regenerate is rare, so the writes are few. True when
+        the object lists every superseded row."""
+        k = JobKeys(job)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.scard(k.superseded)
+        pipe.get(k.superseded_written)
+        count, written = pipe.execute()
+        if count == int(written or 0):
+            return True
+        starts, records, waiting_from = _row_places(self.r, job)
+        by_batch: dict[str, list[str]] = {}
+        for member in self.r.smembers(k.superseded):
+            place, _, prompt_id = member.decode().partition(" ")
+            at = entry_order(place)
+            first = bisect_right(starts, at) - 1
+            if first >= 0 and (waiting_from is None or at < waiting_from):
+                by_batch.setdefault(records[first]["name"], []).append(prompt_id)
+        listed = sum(len(ids) for ids in by_batch.values())
+        if listed != int(written or 0):
+            self.storage.put(superseded_key(job), json.dumps(
+                {"job": job, "rows": listed,
+                 "superseded": {name: sorted(ids) for name, ids in sorted(by_batch.items())}},
+                indent=1).encode())
+            self.r.set(k.superseded_written, listed)
+        return listed == count
+
 
 def stored_records(r: redis.Redis, job: str) -> list[dict]:
     """The job's manifest records of the batches in the storage, not those waiting in the spool
@@ -499,6 +534,14 @@ def iter_newest_rows(r: redis.Redis, storage: Storage, job: str, *,
     batches from the last back (those in beat's spool from there, given the spool). A
     regenerated prompt has an older row in an earlier batch; it is skipped. Memory: the set of
     ids seen, not the rows."""
+    for _, row in iter_newest_placed(r, storage, job, spool=spool):
+        yield row
+
+
+def iter_newest_placed(r: redis.Redis, storage: Storage, job: str, *,
+                       spool: Spool | None = None) -> Iterator[tuple[str, dict]]:
+    """iter_newest_rows with each row's place: its stream entry while it waits in the stream,
+    else its batch's first entry (the ledger's index gives a row's place the same way)."""
     seen: set[str] = set()
     k = JobKeys(job)
     last = "+"
@@ -507,12 +550,13 @@ def iter_newest_rows(r: redis.Redis, storage: Storage, job: str, *,
             row = json.loads(fields[b"row"])
             if row["id"] not in seen:
                 seen.add(row["id"])
-                yield row
+                yield entry_id.decode(), row
         last = "(" + entries[-1][0].decode()
     records = sorted((json.loads(v) for v in r.hvals(k.manifest)), key=lambda rec: rec["name"],
                      reverse=True)
     for record in records:
+        place = "%d-%d" % batch_first(record["name"])
         for row in reversed(read_batch_anywhere(r, storage, job, record, spool=spool)):
             if row["id"] not in seen:
                 seen.add(row["id"])
-                yield row
+                yield place, row

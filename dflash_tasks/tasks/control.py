@@ -98,6 +98,11 @@ def _seal_and_ship(r, s, name: str, storage) -> None:
     else:
         if written:
             hold.release_job(r, name)  # a batch left Redis: there is room again
+        if writer.storage_failure is None:
+            try:
+                writer.write_superseded(name)
+            except StorageError as exc:  # the next tick writes it; the job is not done before
+                log.warning("job %s: superseded.json not written (%s)", name, exc)
         if writer.storage_failure is not None:
             _storage_state(r, name, writer.storage_failure, snap["unsealed_rows"])
         elif snap["spooled_batches"] and not getattr(storage, "is_remote", False):
@@ -113,10 +118,12 @@ def _seal_and_ship(r, s, name: str, storage) -> None:
 
 def _final_manifest(r, name: str, snap: dict) -> bool:
     """manifest.json rewritten once more before the job is done: a rewrite that failed while
-    the spool took over (batches.py goes on without it) is caught up here at the latest."""
+    the spool took over (batches.py goes on without it) is caught up here at the latest; and
+    superseded.json lists every row a regenerate replaced."""
     try:
-        batch_writer().write_manifest(name)
-        return True
+        writer = batch_writer()
+        writer.write_manifest(name)
+        return writer.write_superseded(name)
     except StorageError as exc:
         _storage_state(r, name, exc, snap["unsealed_rows"])
         return False

@@ -20,12 +20,12 @@ until progress.json says the job is finished (done, or cancelled and settled) an
 listed at that moment is read. Since the manifest is written before progress.json says done,
 nothing shipped is missed. `follow_timeout_s` bounds the wait for a batch that never comes.
 
-Duplicate ids (a regenerated row replaces an older one, newest batch wins): within a shard, a
-row whose id the shard has already yielded is skipped and counted; across shards it cannot be
-seen without reading every batch everywhere. The older copy of a regenerated row is in practice
-truncated or empty, so the rules drop it anyway; for exact newest-wins over a finished job,
-train from `manage.py export --format specforge-tokenized` (or read with
-`training.data.reader.NewestRows`).
+The newest row per id, as every reader keeps it. A regenerated row replaces an older one with
+the same id, usually in another shard's batch. Beat lists every row a regenerate replaced, by
+batch, in <job>/superseded.json; each shard reads it with the manifest and skips those rows
+("dropped:superseded"). A row whose id the shard has already yielded is skipped too
+("dropped:duplicate"). Following a running job, a row yielded before a regenerate replaced it
+cannot be taken back: regenerate before the training run starts, or train from a finished job.
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ from dflash_tasks.training.data.reader import (
     NoManifest,
     job_storage,
     manifest_records,
+    superseded_rows,
 )
 from dflash_tasks.training.data.tokens import ChatTemplate, TokenizeError, tokenize_row
 
@@ -166,9 +167,11 @@ class JobDataset(IterableDataset):
             known = names
             if fresh:
                 last_new = time.monotonic()
+            superseded = superseded_rows(storage, self.job) if fresh else {}
             for position, rec in fresh:
                 if position % shards == shard:
-                    yield from self._batch(storage, rec, template, seen)
+                    yield from self._batch(storage, rec, template, seen,
+                                           superseded.get(rec["name"], frozenset()))
             if not self.follow or finished:
                 return
             if self.follow_timeout_s is not None and \
@@ -185,11 +188,14 @@ class JobDataset(IterableDataset):
             time.sleep(min(left, 1.0))
 
     def _batch(self, storage: Storage, rec: dict, template: ChatTemplate | None,
-               seen: set[str]) -> Iterator[dict]:
+               seen: set[str], superseded: frozenset[str]) -> Iterator[dict]:
         self.stats["batches"] += 1
         for row in read_batch(storage, rec):
             self.stats["rows"] += 1
             rid = str(row.get("id"))
+            if rid in superseded:
+                self.stats["dropped:superseded"] += 1
+                continue
             if rid in seen:
                 self.stats["dropped:duplicate"] += 1
                 continue

@@ -9,6 +9,7 @@ verified against the manifest (sha256, zstd checksum, row count) as it is read.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -19,6 +20,7 @@ from dflash_tasks.output.batches import (
     manifest_key,
     read_batch,
     read_manifest,
+    superseded_key,
 )
 from dflash_tasks.output.storage import LocalStorage, Storage, StorageNotFound
 
@@ -76,6 +78,17 @@ def manifest_records(storage: Storage, job: str) -> list[dict]:
     except BadManifest as exc:
         raise InvalidManifest(str(exc)) from None
     return sorted(records, key=lambda rec: rec["name"])
+
+
+def superseded_rows(storage: Storage, job: str) -> dict[str, frozenset[str]]:
+    """Batch name -> the ids of its rows that a regenerate replaced later (beat's
+    <job>/superseded.json; none when there is no such file): what a reader that sees only
+    some batches skips, to keep the newest row per id as every reader does."""
+    try:
+        listed = json.loads(storage.get(superseded_key(job)))["superseded"]
+    except StorageNotFound:
+        return {}
+    return {name: frozenset(ids) for name, ids in listed.items()}
 
 
 @dataclass
