@@ -175,12 +175,12 @@ def _start_manage(c: Cluster, *args: str, env: dict) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_enqueue_never_undoes_a_cancel_or_a_set_made_while_it_loaded(tmp_path, redis_url):
+def test_enqueue_never_undoes_a_cancel_or_a_set_made_while_it_loaded(tmp_path, cluster):
     """Item 3: a resume-enqueue (with --max-output-tokens 8192) is held after its dataset is
     stored, before it writes the job; meanwhile `set --max-output-tokens 2048` and `cancel`.
     Before, the enqueue wrote running and 8192 back. Now it is refused, says what changed, and
     the job stays cancelled at 2048, its new prompts stored and counted."""
-    c = Cluster(tmp_path, redis_url)
+    c = cluster()
     first = write_jsonl(tmp_path / "a.jsonl", prompts(5))
     c.manage("enqueue", "--dataset", str(first), "--job", "undo", "--max-output-tokens", "512")
     more = write_jsonl(tmp_path / "b.jsonl", prompts(8))
@@ -200,8 +200,8 @@ def test_enqueue_never_undoes_a_cancel_or_a_set_made_while_it_loaded(tmp_path, r
     assert int(c.r.hget(JobKeys("undo").counters, "total")) == 8
 
 
-def test_set_loses_to_a_concurrent_set_and_says_so(tmp_path, redis_url):
-    c = Cluster(tmp_path, redis_url)
+def test_set_loses_to_a_concurrent_set_and_says_so(tmp_path, cluster):
+    c = cluster()
     data = write_jsonl(tmp_path / "a.jsonl", prompts(3))
     c.manage("enqueue", "--dataset", str(data), "--job", "sets", "--max-output-tokens", "512")
     c.manage("pause", "--job", "sets")
@@ -217,11 +217,11 @@ def test_set_loses_to_a_concurrent_set_and_says_so(tmp_path, redis_url):
     assert params["max_tokens"] == 512 and params["temperature"] == 0.3
 
 
-def test_beat_held_before_done_while_retry_failed_lands(tmp_path, redis_url):
+def test_beat_held_before_done_while_retry_failed_lands(tmp_path, cluster):
     """Item 1 with real processes: beat is held just before it marks the job done (its final
     manifest and progress.json written); retry-failed puts the failed prompts back meanwhile.
     Released, beat must not mark it done; the job then finishes with every prompt generated."""
-    c = Cluster(tmp_path, redis_url)
+    c = cluster()
     c.start_server(0, "--context-length", "2048")
     c.start_worker(0)
     data = write_jsonl(tmp_path / "a.jsonl", prompts(6))

@@ -6,6 +6,7 @@ import json
 
 import redis
 
+from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import JobKeys
 from dflash_tasks.ingest.loader import PromptLoader
 from dflash_tasks.ingest.prompts import Prompt
@@ -32,6 +33,8 @@ def test_loader_stores_in_order_once_and_resumes_without_resending(redis_url):
     r = redis.Redis.from_url(redis_url)
     book = Ledger(r)
     k = JobKeys("load")
+    jobs.save(r, "load", jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d",
+              status="loading")
     first = prompts(2500)
     loader = PromptLoader(r, book, "load", resume=False)
     assert loader.add_all(iter(first), chunk=700) == 2500
@@ -57,9 +60,29 @@ def test_add_prompts_skips_done_duplicates_and_large_chunks(redis_url):
     r = redis.Redis.from_url(redis_url)
     book = Ledger(r)
     k = JobKeys("big")
+    jobs.save(r, "big", jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d")
     r.sadd(k.done, "p3")
     pairs = [(p.id, encode_messages(p.messages)) for p in prompts(9000)]
     pairs.append(("p5", b"[]"))  # a duplicate id within the call: the first one wins
     assert book.add_prompts("big", pairs) == 8999
     assert r.llen(k.pending) == 8999 and not r.hexists(k.prompts, "p3")
     assert decode_messages(r.hget(k.prompts, "p5")) == list(prompts(1, start=5)[0].messages)
+
+
+def test_add_prompts_refuses_a_job_deleted_while_it_loads(redis_url):
+    """An enqueue reads its dataset for minutes; a `delete` meanwhile must not be undone by the
+    chunks stored after it (keys of a job that no longer exists)."""
+    import pytest
+
+    from dflash_tasks.ledger import JobGone
+
+    r = redis.Redis.from_url(redis_url)
+    jobs.save(r, "gone", jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d",
+              status="loading")
+    loader = PromptLoader(r, Ledger(r), "gone", resume=False)
+    loader.add(prompts(10))
+    jobs.delete(r, "gone")
+    loader.add(prompts(10, start=10))
+    with pytest.raises(JobGone):
+        loader.close()
+    assert list(r.scan_iter(match="dflash:\\{gone\\}:*")) == []
