@@ -48,14 +48,17 @@ bench-10m: install
 # The long model-based chaos run (tests/chaos.py; make test runs two short sequences): random
 # operator actions and faults on a real deployment, the invariants checked after every step; it
 # writes test-artifacts/chaos-report.md and .json. A failure prints the command that replays it.
-#   make chaos SEED=300 STEPS=40 MINUTES=30 [SKIP=redis_restart,...] [KEEP_GOING=1]
+# CONCURRENT=1: bursts of operator commands at once, late duplicate deliveries, and every
+# process's race windows widened (tests/chaos.py, CONCURRENT_FAILPOINTS).
+#   make chaos SEED=300 STEPS=40 MINUTES=30 [SKIP=redis_restart,...] [KEEP_GOING=1] [CONCURRENT=1]
 SEED ?= 1
 STEPS ?= 40
 MINUTES ?= 0
 SKIP ?=
 KEEP_GOING ?=
+CONCURRENT ?=
 chaos: install
-	$(PY) tools/chaos.py --seed $(SEED) --steps $(STEPS) --minutes $(MINUTES) $(if $(SKIP),--skip $(SKIP)) $(if $(KEEP_GOING),--keep-going)
+	$(PY) tools/chaos.py --seed $(SEED) --steps $(STEPS) --minutes $(MINUTES) $(if $(SKIP),--skip $(SKIP)) $(if $(KEEP_GOING),--keep-going) $(if $(CONCURRENT),--concurrent)
 
 # Runs the README's "Raising max tokens mid-run" commands on a deployment of this machine (its own
 # Redis, two simulated servers) and writes what they print into README.md (about a minute).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from pathlib import Path
 
 import boto3
@@ -51,9 +52,11 @@ class MotoServer:
 
 class TcpProxy:
     """127.0.0.1:port -> upstream. stop() closes the listener and every open connection (the
-    endpoint refuses connections, as a down S3 or a cut network); start() listens again."""
+    endpoint refuses connections, as a down S3 or a cut network); start() listens again.
+    `delay_s` holds every answer back that long (a slow endpoint)."""
 
-    def __init__(self, upstream_port: int, port: int | None = None):
+    def __init__(self, upstream_port: int, port: int | None = None, delay_s: float = 0.0):
+        self.delay_s = delay_s
         self.upstream = ("127.0.0.1", upstream_port)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -83,12 +86,14 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._conns |= {client, upstream}
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, delay in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pump, args=(a, b, delay), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, delay: bool) -> None:
         try:
             while data := src.recv(65536):
+                if delay and self.delay_s:
+                    time.sleep(self.delay_s)
                 dst.sendall(data)
         except OSError:
             pass

@@ -44,6 +44,7 @@ import time
 import traceback
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
+from itertools import permutations
 from pathlib import Path
 
 import httpx
@@ -76,6 +77,22 @@ WEIGHTS = {
     "kill_worker": 1.5, "term_worker": 1.0, "server_down": 1.5, "redis_restart": 1.0,
     "beat_restart": 0.5, "s3_down": 1.0, "wait": 1.0,
 }
+# Concurrent mode (issue 27): bursts of operator commands at the same time as one another, beat's
+# ticks and the workers' completions, and late duplicate deliveries. Every process widens the
+# windows between a read and the write that depends on it (DFLASH_FAILPOINTS: random pauses at
+# those points), S3 answers slowly, and the second server is slower.
+CONCURRENT_FAILPOINTS = ",".join([
+    "enqueue.before_apply=sleep:0-1.5", "set.before_apply=sleep:0-1",
+    "state.before_apply=sleep:0-1", "tick.before_finish=sleep:0-1",
+    "generate.after_read=sleep:0-0.2"])
+SLOW_S3_S = 0.2
+BURST_SHARE = 0.5       # of the steps of a concurrent sequence
+BURST_WEIGHTS = {"enqueue_again": 2.0, "pause": 1.5, "resume": 1.5, "cancel": 1.0, "set": 2.0,
+                 "regenerate": 1.0, "retry_failed": 1.0, "delete": 0.5, "late_duplicate": 2.0}
+# What a command may answer when another one changed the job first (besides the lifecycle's
+# "is <state>: ... not allowed"): a compare-and-set it lost, or a job deleted meanwhile (or
+# before the command read it).
+LOST_RACE = ("while this ran", "deleted meanwhile", "no job named")
 # The fields of a job's config that a refused command must leave as they were.
 SETTINGS_FIELDS = ("params", "gpus", "nodes", "dataset", "created_at")
 FAULTS = {"kill_worker", "term_worker", "server_down", "redis_restart", "beat_restart", "s3_down"}
@@ -100,6 +117,8 @@ class ChaosConfig:
     skip: frozenset = frozenset()
     # How long every job that is not paused or cancelled gets to reach done once faults stop.
     converge_s: float = 150.0
+    # Bursts of concurrent commands and late duplicates, with widened windows (above).
+    concurrent: bool = False
     # Deployed settings, except where a comment says why not. Cluster's own test defaults
     # shorten the retry backoff (0.2 s / 2 s); the chaos test puts the deployed policy back.
     settings: dict = field(default_factory=lambda: {
@@ -142,6 +161,41 @@ class Step:
         return f"{self.n:3d}. {self.kind:14} {args:44} -> {self.outcome} ({self.seconds:.1f}s)"
 
 
+@dataclass(eq=False)
+class Plan:
+    """One action of a burst: a manage.py command (args), or a late duplicate (no args)."""
+    kind: str
+    job: "JobModel"
+    args: list[str]
+    lifecycle: str = ""
+    cap: int | None = None            # the max_tokens it sets, if any
+    rows: list[dict] = field(default_factory=list)   # an enqueue's dataset
+    returncode: int | None = None
+    output: str = ""
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.job.name}" + (f" cap={self.cap}" if self.cap else "")
+
+    def run(self, seq: "Sequence") -> None:
+        if not self.args:
+            self.output = seq.inject_duplicate(self.job)
+            self.returncode = 0
+            return
+        result = seq.d.c.manage(*self.args, check=False)
+        self.returncode, self.output = result.returncode, result.stdout + result.stderr
+
+    def replaced_cap(self) -> int | None:
+        """The cap a `set` reports it replaced ("max_tokens 512 -> 1024")."""
+        for line in self.output.splitlines():
+            words = line.split()
+            if self.kind == "set" and words[:1] == ["max_tokens"] and "->" in words:
+                return int(words[1])
+        return None
+
+    def reported_caps(self) -> str:
+        return f"{' '.join(self.args)}: {self.replaced_cap()} -> {self.cap}"
+
+
 @dataclass
 class Stats:
     sequences: int = 0
@@ -164,9 +218,10 @@ class Stats:
         return d
 
 
-def replay_command(seed: int, steps: int, skip: frozenset = frozenset()) -> str:
+def replay_command(seed: int, steps: int, skip: frozenset = frozenset(),
+                   concurrent: bool = False) -> str:
     extra = f" SKIP={','.join(sorted(skip))}" if skip else ""
-    return f"make chaos SEED={seed} STEPS={steps}{extra}"
+    return f"make chaos SEED={seed} STEPS={steps}{extra}" + (" CONCURRENT=1" if concurrent else "")
 
 
 class Deployment:
@@ -180,14 +235,17 @@ class Deployment:
         self.redis.start()
         self.moto = MotoServer(tmp / "logs" / "00-moto.log")
         self.moto.create_bucket()
-        self.s3 = TcpProxy(self.moto.port).start()
+        self.s3 = TcpProxy(self.moto.port, delay_s=SLOW_S3_S if cfg.concurrent else 0.0).start()
         self.s3_back: threading.Timer | None = None
         env, s3_settings = s3_env(self.s3.url)
         self.storage = s3_storage(self.moto.url)  # the checks read S3 directly, never cut
         self.c = Cluster(tmp, self.redis.url, **cfg.settings, **s3_settings)
         self.c.env.update(env)
+        if cfg.concurrent:
+            self.c.env["DFLASH_FAILPOINTS"] = CONCURRENT_FAILPOINTS
         for gpu in range(GPUS):
-            self.c.start_server(gpu, *SIM_ARGS, "--seed", str(cfg.seed * 10 + gpu))
+            slower = ("--slow-factor", "2") if cfg.concurrent and gpu == 1 else ()
+            self.c.start_server(gpu, *SIM_ARGS, *slower, "--seed", str(cfg.seed * 10 + gpu))
         for gpu in range(GPUS):
             self.start_worker(gpu)
         self.c.start_beat()
@@ -268,7 +326,7 @@ class Sequence:
                      f"{time.monotonic() - started:.0f}s")
 
     def fail_report(self, exc: Exception) -> None:
-        replay = replay_command(self.cfg.seed, self.cfg.steps, self.cfg.skip)
+        replay = replay_command(self.cfg.seed, self.cfg.steps, self.cfg.skip, self.cfg.concurrent)
         steps = [asdict(s) for s in self.steps]
         artifact = self.tmp / f"chaos-failure-{self.cfg.seed}.json"
         artifact.write_text(json.dumps({"seed": self.cfg.seed, "steps": self.cfg.steps,
@@ -289,6 +347,8 @@ class Sequence:
 
     def step(self, n: int) -> None:
         rng = random.Random(f"{self.cfg.seed}/{n}")
+        if self.cfg.concurrent and rng.random() < BURST_SHARE:
+            return self.burst(n, rng)
         kinds = [k for k in WEIGHTS if k not in self.cfg.skip]
         kind = rng.choices(kinds, weights=[WEIGHTS[k] for k in kinds])[0]
         draws = [rng.random() for _ in range(6)]   # a fixed number of draws per step
@@ -596,7 +656,211 @@ class Sequence:
         self.hold(seconds, "waiting")
         step.outcome = "ok"
 
-    # ------------------------------------------------------------------ invariants
+    # ------------------------------------------------------------------ concurrent bursts
+    def burst(self, n: int, rng: random.Random) -> None:
+        """2 or 3 actions at once, most often on one job (conflicts are the point): operator
+        commands in subprocesses of their own, late duplicate deliveries injected into the
+        GPUs' queues, while beat ticks and the workers complete. Each job touched is then
+        checked against the lifecycle and the last parameters a command reported."""
+        kinds = [k for k in BURST_WEIGHTS if k not in self.cfg.skip]
+        size = rng.choice((2, 3))
+        picked = rng.choices(kinds, weights=[BURST_WEIGHTS[k] for k in kinds], k=size)
+        draws = [[rng.random() for _ in range(6)] for _ in range(size)]
+        same_job = [rng.random() < 0.8 for _ in range(size)]
+        focus = rng.random()
+        # Now, or the moment the job's last prompt has its outcome and beat has yet to mark it
+        # done: where a command that puts work back meets beat's final tick.
+        at_finish = rng.random() < 0.35
+        step = Step(n, "burst", {})
+        self.steps.append(step)
+        t0 = time.monotonic()
+        live = self.live()
+        if not live:
+            self.do_wait(step, draws[0])
+        else:
+            target = live[int(focus * len(live))]
+            plans = [self.plan(kind, u, target if same else live[int(u[0] * len(live))])
+                     for kind, u, same in zip(picked, draws, same_job)]
+            step.args = {"actions": " | ".join(plan.describe() for plan in plans),
+                         **({"at": "finish"} if at_finish else {})}
+            if at_finish:
+                self.wait_finishing(target)
+            before = {job.name: (self.observe(job), self.cap_now(job.name))
+                      for job in {id(p.job): p.job for p in plans}.values()}
+            threads = [threading.Thread(target=plan.run, args=(self,)) for plan in plans]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            outcomes = []
+            for name, (s0, cap0) in before.items():
+                job = self.jobs[name]
+                outcomes.append(self.settle_burst(job, s0, cap0,
+                                                  [p for p in plans if p.job is job]))
+            step.outcome = "; ".join(outcomes)
+        step.seconds = time.monotonic() - t0
+        self.stats.steps += 1
+        self.stats.kinds[step.kind] += 1
+        self.stats.outcomes[step.kind] += 1
+        self.log(step.line())
+        self.check_all(f"after step {n}")
+
+    def wait_finishing(self, job: JobModel, timeout: float = 30.0) -> None:
+        """Until every prompt of the job has its outcome while it is still running (beat's final
+        tick under way), or the timeout: the burst then goes off either way."""
+        def finishing() -> bool:  # or never will: a job paused, cancelled or done already
+            snap = self.snapshot(job.name)
+            return snap["status"] != RUNNING or snap["completed"] + snap["failed"] >= snap["total"]
+
+        try:
+            wait_until(finishing, timeout=timeout, interval=0.05, what="the job's last outcome")
+        except TimeoutError:
+            pass
+
+    def plan(self, kind: str, u: list[float], job: JobModel) -> "Plan":
+        if kind == "late_duplicate":
+            return Plan(kind, job, [])
+        if kind == "enqueue_again":
+            extra = int(u[2] * 16) if u[2] < 0.7 else 0
+            cap = GOOD_CAPS[int(u[4] * len(GOOD_CAPS))] if u[5] < 0.5 else None
+            rows = job.rows + self.prompt_rows(job.name, len(job.rows), extra)
+            job.versions += 1  # a file of its own, whether the enqueue wins or not
+            path = self.dataset(JobModel(job.name, set(), rows, versions=job.versions))
+            args = ["enqueue", "--dataset", str(path), "--job", job.name,
+                    "--gpus", str(1 + int(u[3] * 2))]
+            return Plan(kind, job, args + (["--max-output-tokens", str(cap)] if cap else []),
+                        lifecycle="enqueue", cap=cap, rows=rows)
+        if kind == "set":
+            cap = BAD_CAP if u[2] < 0.15 else GOOD_CAPS[int(u[3] * len(GOOD_CAPS))]
+            return Plan(kind, job, ["set", "--job", job.name, "--max-output-tokens", str(cap)],
+                        lifecycle="set", cap=cap)
+        if kind == "regenerate":
+            args = ["regenerate", "--job", job.name, "--finish-reason", "length"]
+            return Plan(kind, job, args + (["--continue"] if u[2] < 0.5 else []), lifecycle=kind)
+        command = kind.replace("_", "-")
+        extra = ["--yes"] if kind in ("cancel", "delete") else []
+        return Plan(kind, job, [command, "--job", job.name, *extra], lifecycle=command)
+
+    def cap_now(self, job: str) -> int | None:
+        raw = self.d.read(lambda r: r.hget(f"dflash:{{{job}}}:config", "params"))
+        return json.loads(raw)["max_tokens"] if raw else None
+
+    def inject_duplicate(self, job: JobModel) -> str:
+        """A second delivery of one of the job's prompts, as the broker makes after a visibility
+        timeout or a restore: a copy of its task message on the GPU it is in flight on (else on
+        a GPU of the job, for a prompt done or failed)."""
+        from failure_support import kombu_entry
+
+        k = f"dflash:{{{job.name}}}"
+
+        def pick(r):
+            gpus = sorted(g.decode() for g in r.smembers(k + ":gpus"))
+            for gpu in gpus:
+                if (member := r.zrandmember(f"{k}:inflight:{gpu}")) is not None:
+                    return gpu, member.decode(), "in flight"
+            for key, what in ((k + ":failed", "failed"), (k + ":done", "done")):
+                member = r.hrandfield(key) if what == "failed" else r.srandmember(key)
+                if member is not None and gpus:
+                    return gpus[0], member.decode(), what
+            return None
+
+        found = self.d.read(pick)
+        if found is None:
+            return "nothing to duplicate"
+        gpu, prompt_id, what = found
+        body = json.dumps([[job.name, prompt_id, gpu], {}, {"callbacks": None, "errbacks": None,
+                                                          "chain": None, "chord": None}])
+        self.d.read(lambda r: r.lpush(gpu, kombu_entry(body.encode(), "application/json", gpu,
+                                                       args=[job.name, prompt_id, gpu])))
+        self.stats.faults["late_duplicate"] += 1
+        return f"duplicate of {prompt_id} ({what}) on {gpu}"
+
+    def settle_burst(self, job: JobModel, s0: str, cap0: int | None, plans: list["Plan"]) -> str:
+        """Check what a burst did to one job, then bring the model up to date: each command ran
+        or was refused for a reason it names (the lifecycle, a compare-and-set it lost, a job
+        deleted meanwhile, a cap already reached, S3 cut); the state now is one that some order
+        of the commands that ran leads to; the cap now is the one the last of them reported."""
+        ran = []
+        for plan in plans:
+            if plan.kind == "late_duplicate":
+                continue
+            out = plan.output
+            if "Traceback" in out:
+                raise ChaosFailure(f"`manage.py {' '.join(plan.args)}` crashed:\n{out[-3000:]}")
+            self.stats.checks["concurrent command outcome explained"] += 1
+            if plan.returncode == 0 or (plan.kind == "regenerate" and "once the storage answers" in out):
+                ran.append(plan)
+            elif not (("is not allowed in that state" in out) or any(t in out for t in LOST_RACE)
+                      or "raise it first" in out or "when the storage answers" in out
+                      or "not created" in out):
+                raise ChaosFailure(f"`manage.py {' '.join(plan.args)}` exited {plan.returncode} "
+                                   f"for no reason a concurrent command explains:\n{out[-2000:]}")
+            # An enqueue that lost stored its new prompts all the same (and said so).
+            if plan.kind == "enqueue_again" and (plan.returncode == 0 or "new prompts are stored" in out):
+                job.rows = plan.rows
+                job.ids |= {row["id"] for row in plan.rows}
+            if plan.kind == "regenerate" and plan in ran:
+                job.regenerations += 1
+                job.regenerated_reasons.add("length")
+        s1 = self.actual_state(job.name) or DELETED
+        self.stats.checks["concurrent state explained by the commands that ran"] += 1
+        if not any(self._leads_to(s0, order, s1) for order in permutations(ran)):
+            raise ChaosFailure(
+                f"job {job.name}: {s0} -> {s1} after {[' '.join(p.args) for p in ran]} ran "
+                f"(refused: {[' '.join(p.args) for p in plans if p not in ran and p.args]}): no "
+                "order of them leads there")
+        if s1 == DELETED:
+            job.state = DELETED
+            self.check_deleted(job)
+            return f"{job.name} deleted"
+        if any(p.kind == "delete" for p in ran):  # deleted, then enqueued anew: a new job
+            [again] = [p for p in ran if p.kind == "enqueue_again"]
+            job.ids, job.rows = {row["id"] for row in again.rows}, again.rows
+            job.regenerations, job.regenerated_reasons = 0, set()
+            job.caps, job.bodies = [], "redis"
+        job.state = RUNNING if s1 == DONE else s1
+        cap1 = self.cap_now(job.name)
+        self.stats.checks["cap is the last one a command reported"] += 1
+        winners = [p for p in ran if p.cap is not None]
+        if not any(self._caps_lead_to(cap0, order, cap1) for order in permutations(winners)):
+            raise ChaosFailure(f"job {job.name}: max_tokens {cap0} -> {cap1}, but the commands "
+                               f"that changed it reported {[p.reported_caps() for p in winners]}")
+        if cap1 != cap0:
+            job.cap = cap1
+            job.caps.append(cap1)
+        return f"{job.name} {s0}->{s1} ({len(ran)}/{len([p for p in plans if p.args])} ran)"
+
+    @staticmethod
+    def _leads_to(s0: str, order, s1: str) -> bool:
+        """Whether the lifecycle takes s0 to s1 through these commands in this order; beat's
+        done and work coming back (a late row) may turn running into done and back anywhere."""
+        def widen(states: set[str]) -> set[str]:
+            return states | ({RUNNING, DONE} if states & {RUNNING, DONE} else set())
+
+        states = widen({s0})
+        for plan in order:
+            if plan.lifecycle == "delete":
+                states = {DELETED} if any(lifecycle.allowed("delete", s) for s in states) else set()
+                continue
+            # An enqueue after a delete creates the job anew.
+            states = widen({lifecycle.check(plan.lifecycle, "j", s) for s in states
+                            if s != DELETED and lifecycle.allowed(plan.lifecycle, s)}
+                           | ({RUNNING} if DELETED in states and plan.lifecycle == "enqueue" else set()))
+        return s1 in states
+
+    @staticmethod
+    def _caps_lead_to(cap0, order, cap1) -> bool:
+        """Whether the caps the commands reported, in this order, chain from cap0 to cap1 (a
+        `set` prints the value it replaced; an enqueue's is whatever came before it)."""
+        cap = cap0
+        for plan in order:
+            old = plan.replaced_cap()
+            if old is not None and old != cap:
+                return False
+            cap = plan.cap
+        return cap == cap1
+
+        # ------------------------------------------------------------------ invariants
     def snapshot(self, job: str) -> dict:
         from dflash_tasks.output.progress import snapshot
 
@@ -701,8 +965,7 @@ class Sequence:
         for job in self.live():
             snap = self.check_identity(job, where)
             self.check_ledger_counters(job)
-            rows = self.shipped(job.name)
-            newest = self.check_shipped(job, rows)
+            self.check_shipped(job, self.shipped(job.name))
             state = snap["status"]
             if not (state == job.state or (job.state == RUNNING and state == DONE)):
                 raise ChaosFailure(f"{where}: job {job.name} is {state}, the model holds {job.state}")

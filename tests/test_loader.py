@@ -74,7 +74,6 @@ def test_add_prompts_refuses_a_job_deleted_while_it_loads(redis_url):
     chunks stored after it (keys of a job that no longer exists)."""
     import pytest
 
-    from dflash_tasks.ledger import JobGone
 
     r = redis.Redis.from_url(redis_url)
     jobs.save(r, "gone", jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d",
@@ -83,6 +82,6 @@ def test_add_prompts_refuses_a_job_deleted_while_it_loads(redis_url):
     loader.add(prompts(10))
     jobs.delete(r, "gone")
     loader.add(prompts(10, start=10))
-    with pytest.raises(JobGone):
+    with pytest.raises(jobs.JobDeleted):
         loader.close()
     assert list(r.scan_iter(match="dflash:\\{gone\\}:*")) == []

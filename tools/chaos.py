@@ -19,7 +19,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from chaos import WEIGHTS, ChaosConfig, Sequence, Stats, report_markdown  # noqa: E402
+from chaos import (  # noqa: E402
+    BURST_WEIGHTS,
+    WEIGHTS,
+    ChaosConfig,
+    Sequence,
+    Stats,
+    report_markdown,
+)
 
 
 def main() -> int:
@@ -31,11 +38,13 @@ def main() -> int:
     p.add_argument("--skip", default="", help="action kinds to leave out, comma-separated")
     p.add_argument("--converge-s", type=float, default=150.0)
     p.add_argument("--keep-going", action="store_true", help="go on after a failed sequence")
+    p.add_argument("--concurrent", action="store_true",
+                   help="bursts of commands at once, late duplicates, widened race windows")
     p.add_argument("--out", type=Path, default=ROOT / "test-artifacts")
     args = p.parse_args()
 
     skip = frozenset(k for k in args.skip.split(",") if k)
-    unknown = skip - set(WEIGHTS)
+    unknown = skip - set(WEIGHTS) - set(BURST_WEIGHTS)
     if unknown:
         p.error(f"unknown action kinds {sorted(unknown)}; known: {sorted(WEIGHTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -43,9 +52,9 @@ def main() -> int:
     stats = Stats()
     command = f"make chaos SEED={args.seed} STEPS={args.steps}" + (
         f" MINUTES={args.minutes:g}" if args.minutes else "") + (
-        f" SKIP={args.skip}" if skip else "")
+        f" SKIP={args.skip}" if skip else "") + (" CONCURRENT=1" if args.concurrent else "")
     meta = {"command": command, "seed": args.seed, "steps": args.steps, "minutes": args.minutes,
-            "skip": sorted(skip)}
+            "skip": sorted(skip), "concurrent": args.concurrent}
     started = time.monotonic()
     seed = args.seed
 
@@ -59,7 +68,8 @@ def main() -> int:
         tmp = work / f"seed-{seed}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        cfg = ChaosConfig(seed=seed, steps=args.steps, skip=skip, converge_s=args.converge_s)
+        cfg = ChaosConfig(seed=seed, steps=args.steps, skip=skip, converge_s=args.converge_s,
+                          concurrent=args.concurrent)
         try:
             Sequence(tmp, cfg, stats, log=lambda line: print(line, flush=True)).run()
             shutil.rmtree(tmp, ignore_errors=True)

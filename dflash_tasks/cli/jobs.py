@@ -14,7 +14,7 @@ from dflash_tasks.cli.common import (
     job_or_fail,
     redis_or_fail,
 )
-from dflash_tasks.core import jobs
+from dflash_tasks.core import jobs, lifecycle
 
 
 @click.command("jobs")
@@ -54,7 +54,8 @@ def resume(name: str) -> None:
     job = job_or_fail(r, name)
     change_state(r, "resume", job)
     book, s = shared_ledger(), get_settings()
-    sent = dispatch.topup_all(app, book, s, jobs.load(r, name))
+    now = jobs.load(r, name)  # None: deleted since (by a command that came after)
+    sent = dispatch.topup_all(app, book, s, now) if now is not None else 0
     console.print(f"job {name}: running ({sent} prompts dispatched now)")
 
 
@@ -135,7 +136,10 @@ def delete(name: str) -> None:
                                        f"be removed ({exc}); nothing was deleted: run delete again "
                                        "when the storage answers") from None
     spooled = int(r.hget(job.keys.counters, "spooled") or 0)
-    removed = jobs.delete(r, name)
+    try:  # compare and delete: a resume since it was read keeps the job
+        removed = jobs.delete(r, name, allowed=lifecycle.TRANSITIONS["delete"])
+    except (ValueError, jobs.JobDeleted) as exc:
+        raise click.ClickException(f"{exc}; nothing was deleted") from None
     console.print(f"job {name}: deleted ({removed} Redis keys); its shipped batches are kept")
     # Batches beat spooled during an S3 outage and never shipped: their rows leave with the job.
     spool = Spool(get_settings().spool_path())

@@ -94,7 +94,8 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
 
         restart_window(r, name)  # its facts of the rows just superseded would still count
     # A done job runs again in the step that took each row back (reopen.lua).
-    if tally.reopened and (now := jobs.load(r, name)).status == "running":
+    now = jobs.load(r, name)  # None: deleted meanwhile
+    if tally.reopened and now is not None and now.status == "running":
         dispatch.topup_all(app, book, s, now)
     if failure is not None:
         raise click.ClickException(

@@ -49,7 +49,7 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
     from dflash_tasks.core.keys import check_job_name
     from dflash_tasks.ingest.loader import CHUNK, PromptLoader
     from dflash_tasks.ingest.prompts import DatasetError, ReadSummary, read_prompts
-    from dflash_tasks.ledger import JobGone, shared_ledger
+    from dflash_tasks.ledger import shared_ledger
     from dflash_tasks.ledger.bodies import ChunkWriter, job_location, remove_chunks
     from dflash_tasks.output.storage import StorageError, storage_at
     from dflash_tasks.tasks.app import app
@@ -91,6 +91,8 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
             location = job_location(r, name, get_settings())
             store_bodies = ChunkWriter(r, name, location, storage_at(location, get_settings()))
         loader = PromptLoader(r, book, name, resume=existing is not None, store_bodies=store_bodies)
+    except jobs.JobDeleted as exc:
+        raise click.ClickException(f"{exc}; nothing was stored") from None
     except BaseException:
         if existing is None:
             jobs.delete(r, name)
@@ -109,19 +111,21 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
                                f"{len(summary.bad):,} malformed{first})")
     except BaseException as exc:
         loader.abandon()
-        gone = isinstance(exc, JobGone)
+        gone = isinstance(exc, jobs.JobDeleted)
         if existing is None and not gone:
             jobs.delete(r, name)
-            if store_bodies is not None and store_bodies.written:
-                try:
-                    remove_chunks(store_bodies.storage, name)
-                except StorageError as cleanup:
-                    err_console.print(f"[yellow]job {name}: its prompt chunks could not be "
-                                      f"removed ({cleanup}); remove them by hand[/]")
+        if (existing is None or gone) and store_bodies is not None and store_bodies.written:
+            # The job is gone (removed again after the error, or deleted meanwhile, perhaps
+            # before this enqueue's last chunk landed): its chunks are nobody's.
+            try:
+                remove_chunks(store_bodies.storage, name)
+            except StorageError as cleanup:
+                err_console.print(f"[yellow]job {name}: its prompt chunks could not be "
+                                  f"removed ({cleanup}); remove them by hand[/]")
         elif loader.added:
             err_console.print(f"[yellow]job {name}: {loader.added:,} new prompts were stored "
                               "before the error; enqueueing the fixed dataset again adds the rest[/]")
-        if isinstance(exc, (DatasetError, StorageError, JobGone)):
+        if isinstance(exc, (DatasetError, StorageError, jobs.JobDeleted)):
             what = "deleted meanwhile" if gone else "not created" if existing is None else \
                 f"kept its {loader.added:,} new prompts" if loader.added else "unchanged"
             raise click.ClickException(f"{exc} (job {name} {what})") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields
+from typing import Iterable
 
 import redis
 
@@ -153,23 +154,63 @@ def body_location(r: redis.Redis, name: str, wanted: str | None = None) -> str |
     get that one back, so every chunk of a job is in one place."""
     k = JobKeys(name)
     if wanted is not None:
-        r.hsetnx(k.config, "bodies", wanted)
+        _write_if_exists(r, name, lambda pipe: pipe.hsetnx(k.config, "bodies", wanted))
     found = r.hget(k.config, "bodies")
     return found.decode() if found is not None else None
 
 
 def next_body_chunk(r: redis.Redis, name: str) -> int:
     """A chunk number no other enqueue of the job has used (chunk objects are never rewritten)."""
-    return int(r.hincrby(JobKeys(name).config, "body_chunks", 1))
+    k = JobKeys(name)
+    return int(_write_if_exists(r, name, lambda pipe: pipe.hincrby(k.config, "body_chunks", 1)))
 
 
-def delete(r: redis.Redis, name: str) -> int:
+class JobDeleted(LookupError):
+    """The job was deleted (or never was) when a write into its config came."""
+
+
+def _write_if_exists(r: redis.Redis, name: str, write):
+    """write(pipeline) in a transaction, only while the job exists (its config has a status):
+    a write into the config of a job deleted meanwhile would leave a config of nothing behind,
+    which every ledger script would take for a job."""
+    k = JobKeys(name)
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(k.config)
+                if not pipe.hexists(k.config, "status"):
+                    raise JobDeleted(f"job {name} was deleted while this ran")
+                pipe.multi()
+                write(pipe)
+                return pipe.execute()[0]
+            except redis.WatchError:
+                continue
+
+
+def delete(r: redis.Redis, name: str, allowed: Iterable[str] | None = None) -> int:
     """Remove every Redis key of the job and its name; batches already shipped stay where they
-    are. Returns how many keys were removed."""
+    are. With `allowed`, only while the job's status is one of them, checked in the same
+    transaction that removes its config (a `resume` in between is not deleted): after that no
+    ledger script writes for it any more, and the rest of its keys go. Raises JobDeleted when
+    there was no such job, and ValueError when its status is not allowed (the message names
+    it). Returns how many keys were removed."""
     k = JobKeys(check_job_name(name))
-    keys = [k.config, *(key for key in r.scan_iter(match=k.every_key, count=1000))]
-    pipe = r.pipeline()
-    pipe.delete(*keys)
-    pipe.srem(JOBS, name)
-    removed, _ = pipe.execute()
-    return int(removed)
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(k.config)
+                status = pipe.hget(k.config, "status")
+                if allowed is not None:
+                    if status is None:
+                        raise JobDeleted(f"job {name} was deleted meanwhile")
+                    if status.decode() not in allowed:
+                        raise ValueError(f"job {name} changed to {status.decode()} while this ran")
+                pipe.multi()
+                pipe.delete(k.config)
+                pipe.srem(JOBS, name)
+                removed = pipe.execute()[0]
+                break
+            except redis.WatchError:
+                continue
+    rest = list(r.scan_iter(match=k.every_key, count=1000))
+    return int(removed) + (int(r.delete(*rest)) if rest else 0)

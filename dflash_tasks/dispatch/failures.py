@@ -151,8 +151,8 @@ def retry_failed(app: Celery, book: Ledger, s: Settings, job: str, *, reason: st
     if report.requeued and not dry_run:
         # A done job runs again in the step that moved its prompts (requeue_failed.lua).
         info = jobs.load(r, job)
-        report.status = info.status if info else report.status
-        if report.status == "running":
+        report.status = info.status if info else "deleted"
+        if info is not None and report.status == "running":
             report.dispatched += dispatch.topup_all(app, book, s, info)
     return report
 

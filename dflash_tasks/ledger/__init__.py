@@ -18,6 +18,7 @@ from typing import Iterable, Iterator, Sequence
 import redis
 
 from dflash_tasks.core.connections import redis_client
+from dflash_tasks.core.jobs import JobDeleted
 from dflash_tasks.core.keys import BREAKERS, MEMORY_HOLD, WORKERS, WORKERS_SEEN, JobKeys, queue_for
 from dflash_tasks.core.lifecycle import STATES
 from dflash_tasks.core.settings import Settings, get_settings
@@ -32,10 +33,6 @@ SPEED_MIN_TOKENS = 64     # the shortest request that counts for its GPU's speed
 # Rows that ended "stop" are most of a job and rarely generated again: they are not in the index
 # of rows by finish reason (regenerate reads the batches to find them). Every other reason is.
 UNINDEXED_REASONS = frozenset({"stop"})
-
-
-class JobGone(LookupError):
-    """The job was deleted while a command was writing into it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +109,13 @@ class Ledger:
 
     def add_prompts(self, job: str, prompts: Sequence[tuple[str, str]]) -> int:
         """Store (id, messages_json) pairs not seen before and queue them; returns how many.
-        Raises JobGone when the job was deleted meanwhile (nothing is stored then)."""
+        Raises JobDeleted when the job was deleted meanwhile (nothing is stored then)."""
         k = JobKeys(job)
         argv = [x for pair in prompts for x in pair]
         added = int(self._scripts["add_prompts"](
             keys=[k.prompts, k.pending, k.done, k.counters, k.config], args=argv))
         if added < 0:
-            raise JobGone(f"job {job} was deleted while its prompts were being stored")
+            raise JobDeleted(f"job {job} was deleted while its prompts were being stored")
         return added
 
     def unknown_positions(self, job: str, ids: Sequence[str]) -> list[int]:
