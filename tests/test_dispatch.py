@@ -232,3 +232,33 @@ def test_the_last_prompts_go_to_gpus_measurably_faster_while_they_are_alive(redi
     assert book.complete("end", prompt, g(0), {"id": prompt, "metadata": {
         "prompt_tokens": 10, "completion_tokens": 1000, "finish_reason": "stop", "latency_s": 0.5}})
     assert float(r.hget(k.speed, g(0))) == pytest.approx(1050.0)
+
+
+def test_a_small_job_is_spread_over_the_gpus_by_their_capacity(redis_url):
+    """Issue 28: 50 prompts and two live GPUs went 48/2, because the first ready window took
+    them all. Shared out by the windows (the workers' concurrency): 3 GPUs of concurrency 20,
+    20 and 40 take 12, 13 and 25 of 50 (windows 30, 30 and 60); a job larger than the windows
+    fills each one."""
+    import time
+
+    from dflash_tasks import dispatch as module
+    from dflash_tasks.core import jobs
+    from dflash_tasks.core.keys import WORKERS_SEEN, JobKeys
+    from dflash_tasks.core.settings import Settings
+    from dflash_tasks.ledger import Ledger
+    from dflash_tasks.tasks.app import app
+
+    r = redis.Redis.from_url(redis_url)
+    book, s = Ledger(r), Settings(redis_url=redis_url)
+    for name, n in (("small", 50), ("large", 500)):
+        setup_job(r, name, n, gpus=3, concurrency=20)
+        r.hset("dflash:workers", g(2), json.dumps({"concurrency": 40}))
+        r.hset(WORKERS_SEEN, mapping={g(i): time.time() for i in range(3)})
+        sent = module.topup_all(app, book, s, jobs.load(r, name))
+        taken = [r.zcard(JobKeys(name).inflight(g(i))) for i in range(3)]
+        if name == "small":
+            assert sent == 50 and sorted(taken) == [12, 13, 25], taken
+        else:
+            assert taken == [30, 30, 60], taken
+    assert module.split(5, {"a": 1, "b": 10}) == {"a": 0, "b": 5}
+    assert module.split(7, {"a": 2, "b": 2}) == {"a": 2, "b": 2}

@@ -251,5 +251,8 @@ def test_latency_percentiles_and_s3_totals_are_counted_once_per_batch(r, tmp_pat
         json.loads(v)["bytes"] for v in r.hvals(JobKeys("lat").manifest))
     assert snap["truncated_pct"] == 25.0
     assert snap["short_output_pct"] == 100.0  # every output under 64 tokens: the alarm is on
-    manifest = json.loads((tmp_path / "lat" / "manifest.json").read_text())
+    from dflash_tasks.output.batches import read_manifest
+    from dflash_tasks.output.storage import LocalStorage
+
+    manifest = read_manifest(LocalStorage(tmp_path), "lat")
     assert [b["name"] for b in manifest["batches"]] == sorted(names) and manifest["rows"] == 200

@@ -153,5 +153,5 @@ def test_an_outcome_after_delete_writes_nothing(tmp_path, redis_url):
                                        "finish_reason": "stop", "gpu": 0}}
     assert not book.complete("gone2", "q0000", "gpu0@a", row)
     assert not book.fail("gone2", "q0001", "gpu0@a", {"id": "q0001"})
-    assert not book.note_retry("gone2", "q0002", 0, "http_503")
+    assert not book.note_retry("gone2", "q0002", 0, "http_503", 0)
     assert list(r.scan_iter(match="dflash:\\{gone2\\}:*")) == []

@@ -137,7 +137,9 @@ def test_beat_killed_at_every_step_of_the_upload(cluster, moto, tmp_path):
         return json.loads(raw) if raw else None
 
     def in_manifest_json() -> set[str]:
-        return {rec["name"] for rec in json.loads(st.get("crash/manifest.json"))["batches"]} \
+        from dflash_tasks.output.batches import read_manifest
+
+        return {rec["name"] for rec in read_manifest(st, "crash")["batches"]} \
             if st.exists("crash/manifest.json") else set()
 
     beat_dies_at("after_upload")

@@ -10,24 +10,35 @@ batch, as the command says when it does."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import click
 
 from dflash_tasks.cli.common import allowed_or_fail, console, job_or_fail, redis_or_fail
 from dflash_tasks.core.settings import get_settings
+from dflash_tasks.ledger.messages import compress_messages_json
+
+# Rows taken back per round trip, and per chunk object of continuations (bodies.ChunkWriter).
+SLICE = 1000
 
 
 @dataclass
 class Tally:
-    """What this regenerate has taken back so far, up to its limit."""
+    """What this regenerate has taken back so far, up to its limit. A row to continue keeps its
+    prefix (its token ids and texts, ~50 KB) out of Redis: its entry goes to a chunk object on
+    the job's body storage (`store`, as `enqueue --bodies storage` does), and Redis gets a
+    reference of about 25 bytes, which the task resolves when it runs. Rows are taken back a
+    slice at a time, each slice in one round trip, its chunk written first."""
     limit: int | None
+    store: Callable[[list[bytes]], list[bytes]] | None = None
     reopened: int = 0
     continued: int = 0
     saved: int = 0  # output tokens a continuation keeps instead of generating again
+    _slice: list = field(default_factory=list)
 
     def full(self) -> bool:
-        return bool(self.limit) and self.reopened >= self.limit
+        return bool(self.limit) and self.reopened + len(self._slice) >= self.limit
 
     def reopen(self, book, job: str, ended, entry: dict | bytes) -> None:
         """Take `ended` back with `entry` as its stored prompt: the messages as `prompts`
@@ -35,11 +46,27 @@ class Tally:
         kept = 0
         if isinstance(entry, dict):
             kept = len(entry["continue"]["response_ids"]) if "continue" in entry else 0
-            entry = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
-        if book.reopen(job, ended, entry, kept):
-            self.reopened += 1
-            self.continued += bool(kept)
-            self.saved += kept
+            entry = compress_messages_json(json.dumps(
+                entry, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+        self._slice.append((ended, entry, kept))
+        if len(self._slice) >= SLICE:
+            self.flush(book, job)
+
+    def flush(self, book, job: str) -> None:
+        """Take the slice back: its continuations' chunk written first, then one round trip."""
+        if not self._slice:
+            return
+        items, self._slice = self._slice, []
+        kept_ids = [i for i, (_, _, kept) in enumerate(items) if kept]
+        if kept_ids and self.store is not None:
+            refs = self.store([items[i][1] for i in kept_ids])
+            for i, ref in zip(kept_ids, refs):
+                items[i] = (items[i][0], ref, items[i][2])
+        for (_, _, kept), done in zip(items, book.reopen_many(job, items)):
+            if done:
+                self.reopened += 1
+                self.continued += bool(kept)
+                self.saved += kept
 
 
 @click.command()
@@ -69,8 +96,9 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
     # Batches wait in beat's spool while S3 is out (a directory storage has none).
     spool = Spool(s.spool_path()) if getattr(storage, "is_remote", False) else None
     cap = job.params.max_tokens
-    tally = Tally(limit)
     indexed, counted = book.ended_count(name, finish_reason)
+    _check_memory(r, s, min(limit or counted, counted))
+    tally = Tally(limit, store=_continuation_store(r, s, name) if continue_output else None)
     try:
         if indexed != counted:
             console.print(_why_every_batch(name, finish_reason, indexed, counted))
@@ -83,11 +111,13 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
                 tally.reopen(book, name, ended, ended.prompt)
                 if tally.full():
                     break
+        tally.flush(book, name)
         failure = None
     except (StorageError, RowNotFound, BadManifest) as exc:
         # The rows taken so far are queued again (the job runs them like any other); running it
         # again once the storage answers takes the rest: a prompt already taken back is no
-        # longer done, so it is not taken twice.
+        # longer done, so it is not taken twice. (A slice whose chunk could not be written is
+        # not taken back.)
         failure = exc
     if tally.reopened:
         from dflash_tasks.training.data.monitor import restart_window
@@ -109,6 +139,37 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
         if tally.reopened > tally.continued:
             console.print(f"  {tally.reopened - tally.continued:,} start over "
                           "(no token ids in the row)")
+
+
+# Redis that taking a row back adds, at most: its id in pending, the place of the row it
+# replaces (superseding), the prompts entry's reference and the hash entries' overhead. The
+# prompt itself moves from the index of rows by finish reason to `prompts` (no more than it
+# took), and a continuation's prefix goes to storage (tests/test_regenerate_index.py measures).
+REOPEN_BYTES = 300
+
+
+def _check_memory(r, s, rows: int) -> None:
+    """Refuse, before anything changes, a regenerate whose rows would take Redis past the point
+    where dispatch is held (DFLASH_REDIS_MEMORY_HOLD_RATIO of its maxmemory)."""
+    info = r.info("memory")
+    used, limit = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+    need = rows * REOPEN_BYTES
+    if limit and used + need > s.redis_memory_hold_ratio * limit:
+        raise click.ClickException(
+            f"taking back {rows:,} rows would add about {need / 1e6:,.1f} MB to Redis, which uses "
+            f"{used / 1e6:,.1f} MB of its maxmemory {limit / 1e6:,.1f} MB (dispatch is held at "
+            f"{s.redis_memory_hold_ratio:.0%}): nothing was changed; raise maxmemory (CONFIG SET "
+            "maxmemory, and REDIS_MAXMEMORY for the next start) or take fewer with --limit")
+
+
+def _continuation_store(r, s, name: str):
+    """Where the entries of the rows to continue go: chunk objects under the job's body location
+    (its own, or the deployment's storage, which becomes the job's), read back by the task."""
+    from dflash_tasks.ledger.bodies import ChunkWriter, job_location
+    from dflash_tasks.output.storage import storage_at
+
+    location = job_location(r, name, s)
+    return ChunkWriter(r, name, location, storage_at(location, s))
 
 
 def _refuse_capped(name: str, prompt_id: str, tokens: int, cap: int) -> None:

@@ -102,6 +102,10 @@ class JobKeys:
     def inflight(self, gpu: str) -> str:  # zset: ids dispatched to the GPU -> dispatch time
         return self._k(f"inflight:{gpu}")
 
+    def retrying(self, gpu: str) -> str:  # zset: ids whose retry waits for its ETA in the GPU's
+        # worker -> when it is due (retry.lua adds, the task's next run removes)
+        return self._k(f"retrying:{gpu}")
+
     @property
     def gpus(self) -> str:        # set: every GPU the job ever dispatched to (take.lua adds them)
         return self._k("gpus")
@@ -163,6 +167,10 @@ class JobKeys:
     @property
     def manifest(self) -> str:    # hash: batch name -> JSON {rows, bytes, sha256, ...}
         return self._k("manifest")
+
+    @property
+    def manifest_parts(self) -> str:  # string: how many parts of manifest.json are written
+        return self._k("manifest:parts")
 
     @property
     def flush_lock(self) -> str:  # string with TTL: one batch writer at a time

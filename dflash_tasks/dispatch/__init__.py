@@ -9,7 +9,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from functools import lru_cache
 
 import redis
@@ -63,9 +62,39 @@ def serving_gpus(book: Ledger, s: Settings, job: jobs.Job) -> list[str]:
 
 def topup_all(app: Celery, book: Ledger, s: Settings, job: jobs.Job) -> int:
     """Fill the window of every GPU serving the job (an enqueue, a resume, a retry); returns how
-    many tasks were published. GPUs that register later are filled by their worker at start-up
-    and by beat's maintain."""
-    return sum(topup(app, book, s, job.name, gpu) for gpu in serving_gpus(book, s, job))
+    many tasks were published. When fewer prompts wait than the windows have room for (a small
+    job, the last of a large one), they are shared out in proportion to the windows (the
+    workers' concurrency), instead of the first window taking them all. GPUs that register
+    later are filled by their worker at start-up and by beat's maintain."""
+    gpus = serving_gpus(book, s, job)
+    if not gpus:
+        return 0
+    windows = {gpu: window_for(book.r, s, gpu) for gpu in gpus}
+    pipe = book.r.pipeline(transaction=False)
+    pipe.llen(job.keys.pending)
+    for gpu in gpus:
+        pipe.zcard(job.keys.inflight(gpu))
+    pending, *busy = pipe.execute()
+    room = {gpu: max(0, windows[gpu] - n) for gpu, n in zip(gpus, busy)}
+    share = split(pending, room) if pending < sum(room.values()) else room
+    return sum(topup(app, book, s, job.name, gpu, target=windows[gpu] - room[gpu] + share[gpu])
+               for gpu in gpus if share[gpu])
+
+
+def split(n: int, capacity: dict[str, int]) -> dict[str, int]:
+    """n items shared out in proportion to each one's capacity, none above it (largest
+    remainders first, so the shares add up to n when the capacities allow)."""
+    total = sum(capacity.values())
+    if total <= 0:
+        return dict.fromkeys(capacity, 0)
+    exact = {key: n * c / total for key, c in capacity.items()}
+    share = {key: min(capacity[key], int(x)) for key, x in exact.items()}
+    for key in sorted(exact, key=lambda k: exact[k] - int(exact[k]), reverse=True):
+        if sum(share.values()) >= min(n, total):
+            break
+        if share[key] < capacity[key]:
+            share[key] += 1
+    return share
 
 
 def worker_concurrency(r: redis.Redis, s: Settings, gpu: str) -> int:
@@ -91,7 +120,7 @@ def publish(app: Celery, job: str, gpu: str, prompt_ids: list[str]) -> None:
 
 
 def topup(app: Celery, book: Ledger, s: Settings, job: str, gpu: str,
-          concurrency: int | None = None) -> int:
+          concurrency: int | None = None, target: int | None = None) -> int:
     """Fill gpu's window for job from pending, if the job's selection allows the GPU; returns
     how many tasks were published.
 
@@ -102,8 +131,10 @@ def topup(app: Celery, book: Ledger, s: Settings, job: str, gpu: str,
     the last few prompts are left to GPUs measurably faster than this one, when they are alive.
 
     `concurrency`: the GPU's own worker passes its own (the window's size without reading the
-    registry: a round trip less per completion); beat reads what the worker registered."""
-    ids = book.take(job, gpu, window_for(book.r, s, gpu, concurrency), task=GENERATE_TASK,
+    registry: a round trip less per completion); beat reads what the worker registered.
+    `target`: fill only up to that many in flight (topup_all's share of a small job)."""
+    window = target if target is not None else window_for(book.r, s, gpu, concurrency)
+    ids = book.take(job, gpu, window, task=GENERATE_TASK,
                     origin=_origin(), reply_to=app.thread_oid, alive_s=s.worker_gone_after_s)
     return len(ids)
 
@@ -259,32 +290,6 @@ def restore_unheld(app: Celery, r: redis.Redis, queues: list[str], held: set[str
         for tag in tags:
             qos.restore_by_tag(tag)
     return len(tags)
-
-
-def waiting_retries(r: redis.Redis, job: str) -> dict[str, list[str]]:
-    """gpu -> ids of `job` whose retry message waits for its ETA in a worker (unacknowledged),
-    for status's accounting. Candidates only: the caller intersects them
-    with the in-flight sets in the same transaction as its other reads."""
-    now = time.time()
-    waiting: dict[str, list[str]] = {}
-    for _, payload, _, routing_key in _unacked(r):
-        _collect_waiting(payload, routing_key, job, now, waiting)
-    return waiting
-
-
-def _collect_waiting(payload, queue: str, job: str, now: float, into: dict[str, list[str]]) -> None:
-    if not (isinstance(queue, str) and parse_gpu(queue)):
-        return
-    eta = (payload.get("headers") or {}).get("eta") if isinstance(payload, dict) else None
-    if not eta:
-        return
-    try:
-        due = datetime.fromisoformat(eta).timestamp()
-    except (TypeError, ValueError):
-        return
-    job_of, prompt_id = _job_and_id(payload)
-    if job_of == job and due > now:
-        into.setdefault(queue, []).append(prompt_id)
 
 
 @dataclass(frozen=True, slots=True)

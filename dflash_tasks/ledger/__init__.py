@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -57,6 +57,16 @@ class TaskState:
     def stored(self) -> bool:
         """The prompt is still in the job's `prompts` (in Redis or as a reference)."""
         return self.messages is not None or self.body_reference is not None
+
+    def with_body(self, decoded: list | dict) -> "TaskState":
+        """This state with its body read from storage: a prompt's messages, or (a truncated row
+        that regenerate --continue took back, whose entry is kept on storage too) its messages
+        and what the continuation needs; such an entry is more than the prompt, so the index of
+        rows by finish reason does not keep it as it is (bare_entry)."""
+        if isinstance(decoded, dict):
+            return replace(self, messages=decoded["messages"], continuation=decoded.get("continue"),
+                           bare_entry=None)
+        return replace(self, messages=decoded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +160,8 @@ class Ledger:
         pipe.sismember(k.done, prompt_id)
         pipe.hexists(k.failed, prompt_id)
         pipe.zscore(k.inflight(gpu), prompt_id)
-        (params, location), entry, done, failed, here = pipe.execute()
+        pipe.zrem(k.retrying(gpu), prompt_id)  # running now: its retry no longer waits
+        (params, location), entry, done, failed, here, _ = pipe.execute()
         flags = dict(params=json.loads(params) if params else None, done=bool(done),
                      failed=bool(failed), in_flight_here=here is not None)
         if entry and bodies.is_reference(entry):
@@ -167,14 +178,22 @@ class Ledger:
     def reopen(self, job: str, ended: EndedRow, entry: str | bytes, continued_tokens: int) -> bool:
         """Take a done prompt back for regeneration (reopen.lua), `entry` becoming its stored
         prompt; False if it was not done, or (read from the index) its newest row is another."""
+        return bool(self.reopen_many(job, [(ended, entry, continued_tokens)])[0])
+
+    def reopen_many(self, job: str,
+                    items: Sequence[tuple[EndedRow, str | bytes, int]]) -> list[bool]:
+        """reopen() of each (ended row, entry, continued tokens), in one round trip."""
         k = JobKeys(job)
-        out = ended.completion_tokens
-        return bool(self._scripts["reopen"](
-            keys=[k.done, k.prompts, k.pending, k.counters, k.ended(ended.finish_reason), k.config,
-                  k.superseding],
-            args=[ended.id, entry, ended.prompt_tokens, out, ended.finish_reason, ended.gpu,
-                  out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, continued_tokens,
-                  ended.indexed, ended.entry]))
+        pipe = self.r.pipeline(transaction=False)
+        for ended, entry, continued_tokens in items:
+            out = ended.completion_tokens
+            self._scripts["reopen"](
+                keys=[k.done, k.prompts, k.pending, k.counters, k.ended(ended.finish_reason),
+                      k.config, k.superseding],
+                args=[ended.id, entry, ended.prompt_tokens, out, ended.finish_reason, ended.gpu,
+                      out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, continued_tokens,
+                      ended.indexed, ended.entry], client=pipe)
+        return [bool(done) for done in pipe.execute()]
 
     def ended_count(self, job: str, reason: str) -> tuple[int, int]:
         """(rows in the index of rows that ended `reason`, rows the counters say ended so), read
@@ -269,11 +288,13 @@ class Ledger:
                   k.gpus],
             args=[prompt_id, json.dumps(record, ensure_ascii=False), gpu, k.inflight("")]))
 
-    def note_retry(self, job: str, prompt_id: str, gpu: str, reason: str) -> bool:
-        """Count a retry and refresh the prompt's in-flight mark. False when it is already done."""
+    def note_retry(self, job: str, prompt_id: str, gpu: str, reason: str, due: float) -> bool:
+        """Count a retry, refresh the prompt's in-flight mark and record it as waiting until
+        `due` (Unix time). False when it is already done."""
         k = JobKeys(job)
-        return bool(self._scripts["retry"](keys=[k.done, k.inflight(gpu), k.counters, k.config],
-                                           args=[prompt_id, reason, gpu]))
+        return bool(self._scripts["retry"](
+            keys=[k.done, k.inflight(gpu), k.counters, k.config, k.retrying(gpu)],
+            args=[prompt_id, reason, gpu, due]))
 
     def requeue_failed(self, job: str, records: Sequence[tuple[str, str]]) -> tuple[int, int]:
         """Move failed prompts, given as (id, registry record exactly as read), back to the

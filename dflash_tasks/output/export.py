@@ -16,6 +16,7 @@ from dflash_tasks.output.batches import (
     BadManifest,
     check_records,
     manifest_key,
+    read_manifest,
     verify_batch,
 )
 from dflash_tasks.output.progress import progress_key, read_progress
@@ -69,17 +70,15 @@ def export(storage: Storage, job: str, dest: Path, *, expected: int | None = Non
     row, in the later batch, replaces the older. So ids in several rows may number at most
     `regenerated`, and it is the distinct ids that must equal the job's completed count."""
     report = ExportReport(job=job, dest=dest, expected=expected, expected_source=expected_source)
-    try:
-        raw_manifest = storage.get(manifest_key(job))
-    except StorageNotFound:
-        raise ExportError(f"no manifest at {storage.location(manifest_key(job))}: nothing was "
-                          "shipped for this job yet, or the location is wrong") from None
     where = storage.location(manifest_key(job))
     try:
-        manifest = json.loads(raw_manifest)
+        manifest = read_manifest(storage, job)  # its parts assembled: the export holds one piece
         # Every entry checked before the first write: a bad one leaves nothing behind.
         records = check_records(job, manifest.get("batches", []), where)
-    except (ValueError, AttributeError) as exc:
+    except StorageNotFound:
+        raise ExportError(f"no manifest at {where}: nothing was shipped for this job yet, or the "
+                          "location is wrong") from None
+    except (ValueError, AttributeError, KeyError, TypeError) as exc:
         raise ExportError(str(exc) if isinstance(exc, BadManifest)
                           else f"{where}: not a manifest ({exc})") from None
     names = [rec["name"] for rec in records]
@@ -117,7 +116,7 @@ def export(storage: Storage, job: str, dest: Path, *, expected: int | None = Non
                           + (f", but only {regenerated} were regenerated" if regenerated else ""))
     report.replaced = len(doubled)
     report.rows = len(seen)
-    local.put("manifest.json", raw_manifest)
+    local.put("manifest.json", json.dumps(manifest, indent=1).encode())
     try:
         local.put("progress.json", storage.get(progress_key(job)))
     except StorageNotFound:

@@ -4,10 +4,11 @@ docs/PROGRESS_AND_S3.md documents every field.
 
 A snapshot is made in three steps:
 
-- `read`: the job, Redis's clock, the broker's waiting retries, then ONE transaction (MULTI)
-  whose results come back by name into `Reads`: the job's counters (bounded: totals, finish
-  reasons, histograms, per GPU), one HMGET of the rate buckets in the window, and a few O(1)
-  reads. The same commands at any size of job (tests/test_progress.py checks it).
+- `read`: the job, Redis's clock, then ONE transaction (MULTI) whose results come back by name
+  into `Reads`: the job's counters (bounded: totals, finish reasons, histograms, per GPU), one
+  HMGET of the rate buckets in the window, per GPU its in-flight count and its retries waiting
+  (counted inside Redis), and a few O(1) reads. The same commands at any size of job, and
+  whatever the broker holds: nothing reads kombu's `unacked` hash (tests/test_progress.py).
 - compute: pure functions of `Reads` (rates over the window, percentiles, per-GPU views).
 - `render`: the dictionary, in its documented order.
 
@@ -125,11 +126,6 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
     series = rate_series(gpus)
     rate_keys = [f"{one}:{bucket}" for one in series for bucket in buckets]
 
-    # Retries waiting for their ETA are in flight too; which of them still are is read in the
-    # same transaction as every count, so pending + in flight + waiting + completed + failed
-    # equals the total at that instant (each ledger script is atomic).
-    waiting_candidates = dispatch.waiting_retries(r, name)
-    retrying_gpus = [g for g in gpus if waiting_candidates.get(g)]
     multi = _NamedMulti(r)
     multi.named("counters").hgetall(k.counters)
     multi.named("pending").llen(k.pending)
@@ -144,10 +140,13 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
     multi.named("servers").hgetall(SERVERS)
     multi.named("breakers").hgetall(BREAKERS)
     multi.named("beat_seen").get(BEAT_SEEN)
+    # Retries waiting for their ETA are in flight too: those of the GPU's `retrying` set (retry.lua
+    # adds them) still in flight there, counted inside Redis in the same transaction as every
+    # other count, so pending + in flight + waiting + completed + failed equals the total at that
+    # instant, at the cost of the retries waiting, whatever the broker holds.
     for gpu in gpus:
         multi.named(("in_flight", gpu)).zcard(k.inflight(gpu))
-    for gpu in retrying_gpus:
-        multi.named(("waiting", gpu)).zmscore(k.inflight(gpu), waiting_candidates[gpu])
+        multi.named(("waiting", gpu)).zintercard(2, [k.inflight(gpu), k.retrying(gpu)])
     # The quality monitor's figures (training/data/monitor.py writes the key) at its last tick.
     multi.named("quality").get(k.quality("figures"))
     got = multi.execute()
@@ -155,11 +154,6 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
     window = dict.fromkeys(series, 0)
     for field, value in zip(rate_keys, got["rate"], strict=True):
         window[field.rsplit(":", 1)[0]] += int(value or 0)
-    retry_waiting = dict.fromkeys(gpus, 0)
-    for gpu in retrying_gpus:  # the candidates still in flight there
-        scores = got[("waiting", gpu)]
-        retry_waiting[gpu] = len({i for i, score in zip(waiting_candidates[gpu], scores)
-                                  if score is not None})
     sealing, beat_seen, quality = got["sealing"], got["beat_seen"], got["quality"]
     return Reads(
         job=job,
@@ -171,7 +165,7 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
         pending=got["pending"],
         unsealed_rows=got["unsealed"],
         in_flight_set={gpu: got[("in_flight", gpu)] for gpu in gpus},
-        retry_waiting=retry_waiting,
+        retry_waiting={gpu: got[("waiting", gpu)] for gpu in gpus},
         workers={key.decode(): json.loads(v) for key, v in got["workers"].items()},
         heartbeats={key.decode(): float(v) for key, v in got["heartbeats"].items()},
         servers={key.decode(): json.loads(v) for key, v in got["servers"].items()},
@@ -387,6 +381,19 @@ def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
     return render(read(r, name, s), s)
 
 
+def sealing_counts(r: redis.Redis, name: str) -> dict[str, int]:
+    """What beat's sealing decides on, in one transaction: the prompts' outcomes against the
+    total, pending, the rows waiting, the batches in the spool (snapshot's names)."""
+    k = JobKeys(name)
+    pipe = r.pipeline(transaction=True)
+    pipe.hmget(k.counters, "total", "completed", "failed", "spooled")
+    pipe.llen(k.pending)
+    pipe.xlen(k.output)
+    (total, completed, failed, spooled), pending, unsealed = pipe.execute()
+    return {"total": int(total or 0), "completed": int(completed or 0), "failed": int(failed or 0),
+            "spooled_batches": int(spooled or 0), "pending": pending, "unsealed_rows": unsealed}
+
+
 def dispatch_held(reads: Reads) -> dict | None:
     """Why no new work starts (dispatch/hold.py), or None: the job's own hold (its batches can
     go nowhere), else Redis's memory hold."""
@@ -396,7 +403,9 @@ def dispatch_held(reads: Reads) -> dict | None:
     if reads.memory_hold:
         m = reads.memory_hold
         return {"reason": "redis_memory", "error": f"Redis uses {m['used_memory']} of its maxmemory "
-                f"{m['maxmemory']} bytes (hold at {m['ratio']:.0%})", "since": m["since"]}
+                f"{m['maxmemory']} bytes (hold at {m['ratio']:.0%}) with "
+                f"{m.get('rows_to_seal', '?')} rows waiting to be sealed: beat seals them, and "
+                "dispatch resumes by itself once Redis is below the hold", "since": m["since"]}
     return None
 
 

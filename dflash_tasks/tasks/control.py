@@ -19,7 +19,13 @@ from dflash_tasks.core.settings import get_settings
 from dflash_tasks.dispatch import hold
 from dflash_tasks.ledger import shared_ledger
 from dflash_tasks.output.batches import BatchPolicy, BatchWriter
-from dflash_tasks.output.progress import is_finished, prune_rate, snapshot, write_progress
+from dflash_tasks.output.progress import (
+    is_finished,
+    prune_rate,
+    sealing_counts,
+    snapshot,
+    write_progress,
+)
 from dflash_tasks.output.spool import Spool
 from dflash_tasks.output.storage import LocalStorage, StorageError, storage_for
 from dflash_tasks.tasks.app import app
@@ -55,6 +61,7 @@ def tick_job(name: str) -> dict | None:
         storage = storage_for(s)
         _seal_and_ship(r, s, name, storage)
         snap = snapshot(r, name, s)
+        prune_rate(r, name, list(snap["gpus"]), keep_s=2 * s.rate_window_s + 60)
         finished = snap["status"] == "running" and is_finished(snap) and \
             _final_manifest(r, name, snap)
         if finished:
@@ -81,8 +88,9 @@ def tick_job(name: str) -> dict | None:
 
 def _seal_and_ship(r, s, name: str, storage) -> None:
     """Seal and upload the full batches (every row, once every prompt has its answer; each one
-    sampled for training-data quality as it is sealed), prune the rate window."""
-    snap = snapshot(r, name, s)
+    sampled for training-data quality as it is sealed). It reads a few counts, not a snapshot:
+    the tick makes one snapshot, after this, for progress.json."""
+    snap = sealing_counts(r, name)
     all_answered = snap["completed"] + snap["failed"] >= snap["total"] and snap["pending"] == 0
     # The error state changes only on evidence: a failed write sets it, a write that went
     # through clears it (a tick with nothing to seal proves nothing). A batch the spool took
@@ -113,7 +121,6 @@ def _seal_and_ship(r, s, name: str, storage) -> None:
                 "the machine) it spooled them with"), snap["unsealed_rows"])
         elif written:
             _storage_state(r, name, None, snap["unsealed_rows"])
-    prune_rate(r, name, list(snap["gpus"]), keep_s=2 * s.rate_window_s + 60)
 
 
 def _final_manifest(r, name: str, snap: dict) -> bool:
@@ -218,8 +225,11 @@ def tick() -> None:
 def maintain() -> None:
     r, s = redis_client(), get_settings()
     book = shared_ledger()
-    try:  # no job dispatches while Redis nears its maxmemory (dispatch/hold.py)
-        hold.check_memory(r, s.redis_memory_hold_ratio)
+    try:  # no job dispatches while Redis nears its maxmemory with rows to seal (dispatch/hold.py)
+        pipe = r.pipeline(transaction=False)
+        for name in jobs.names(r):
+            pipe.xlen(JobKeys(name).output)
+        hold.check_memory(r, s.redis_memory_hold_ratio, sum(pipe.execute()))
     except redis.RedisError as exc:  # a Redis refusing writes already: the windows wait anyway
         log.warning("Redis memory check failed: %s", exc)
     unacked = dispatch.UnackedLook(r)  # read once for every job and GPU of this run

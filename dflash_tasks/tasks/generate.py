@@ -140,10 +140,12 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
         # Recalled from this GPU (a cancel, a GPU the job no longer uses, this worker given up
         # for gone) while the message waited: the prompt is pending again, or dispatched elsewhere.
         return {"id": prompt_id, "skipped": f"no longer dispatched to {gpu}"}
-    messages = state.messages if state.messages is not None else \
-        _read_body(self, job, prompt_id, gpu, tries, state)
-    if messages is None:
-        return {"id": prompt_id, "skipped": "done by another delivery, or its job deleted"}
+    if state.messages is None:
+        decoded = _read_body(self, job, prompt_id, gpu, tries, state)
+        if decoded is None:
+            return {"id": prompt_id, "skipped": "done by another delivery, or its job deleted"}
+        state = state.with_body(decoded)
+    messages = state.messages
     params = GenerationParams.from_dict(state.params)
     s = get_settings()
     client = runtime().client(gpu)
@@ -184,9 +186,10 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
                          requeue=True) from None
         circuit.record_failure(str(exc))
         if attempt <= s.max_retries:
-            if not durable("counting a retry", book.note_retry, job, prompt_id, gpu, exc.reason):
-                return {"id": prompt_id, "skipped": "done by another delivery, or its job deleted"}
             countdown = backoff_s(tries)
+            if not durable("counting a retry", book.note_retry, job, prompt_id, gpu, exc.reason,
+                           time.time() + countdown):
+                return {"id": prompt_id, "skipped": "done by another delivery, or its job deleted"}
             log.info("prompt %s on %s: %s; retry %d/%d in %.1fs", prompt_id, gpu, exc,
                      attempt, s.max_retries, countdown)
             raise self.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
@@ -214,8 +217,9 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
             **({} if recorded else {"skipped": "duplicate delivery"})}
 
 
-def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> list[dict] | None:
-    """The conversation of a prompt whose body is kept on storage (ledger/bodies.py), by fault:
+def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> list | dict | None:
+    """The entry of a prompt whose body is kept on storage (ledger/bodies.py: its messages, or
+    those of a truncated row to continue with what the continuation needs), by fault:
     - the storage out (S3 unreachable, a slow disk): waited out like a server that does not
       answer, nothing was sent so the retry spends no attempt; once the outage has lasted
       breaker_wait_s the GPU's breaker opens and says so (status), until a read works again;
@@ -237,10 +241,10 @@ def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> l
                                     partial(_readable, storage, job, state.body_reference))
         raise Reject(f"{gpu}: {exc}: prompt returned to its queue", requeue=True) from None
     except StorageError as exc:
-        if not durable("counting a retry", runtime().book.note_retry, job, prompt_id, gpu,
-                       "prompt_storage"):
-            return None
         countdown = backoff_s(min(task.request.retries, 10))
+        if not durable("counting a retry", runtime().book.note_retry, job, prompt_id, gpu,
+                       "prompt_storage", time.time() + countdown):
+            return None
         # One warning per outage, not one per thread and retry (the rest at DEBUG).
         log.log(logging.WARNING if outage.failed() else logging.DEBUG,
                 "prompt %s on %s: cannot read its text (%s); again in %.1fs, no attempt spent "

@@ -139,9 +139,9 @@ class JobDataset(IterableDataset):
     def _progress(self, storage: Storage) -> dict | None:
         return read_progress(storage, self.job)
 
-    def _records(self, storage: Storage) -> list[dict]:
+    def _records(self, storage: Storage, parts: dict) -> list[dict]:
         try:
-            return manifest_records(storage, self.job)
+            return manifest_records(storage, self.job, parts)
         except InvalidManifest:
             raise  # waiting would not make it valid
         except NoManifest:
@@ -155,10 +155,11 @@ class JobDataset(IterableDataset):
         self.stats = Counter()
         known: list[str] = []
         seen: set[str] = set()
+        parts: dict = {}  # the manifest's full parts, read once
         last_new = time.monotonic()
         while True:
             finished = self.follow and job_finished(self._progress(storage))  # before the manifest
-            records = self._records(storage)
+            records = self._records(storage, parts)
             names = [rec["name"] for rec in records]
             if names[:len(known)] != known:
                 raise RuntimeError(f"job {self.job}: the manifest's batches changed order or "

@@ -64,10 +64,11 @@ def job_storage(storage: Storage, job: str) -> Storage:
     return storage
 
 
-def manifest_records(storage: Storage, job: str) -> list[dict]:
-    """The manifest's batch records, oldest first (`storage` as job_storage() returns it)."""
+def manifest_records(storage: Storage, job: str, parts: dict | None = None) -> list[dict]:
+    """The manifest's batch records, oldest first (`storage` as job_storage() returns it;
+    `parts`: the manifest's parts already read, read_manifest's)."""
     try:
-        manifest = read_manifest(storage, job)
+        manifest = read_manifest(storage, job, parts)
     except StorageNotFound:
         raise NoManifest(f"no manifest for job {job!r} at {storage.location(job + '/manifest.json')}: "
                          "nothing shipped yet, or the wrong location (--from: the output "
