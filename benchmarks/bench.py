@@ -15,12 +15,15 @@ decode speed, the real run's output-length distribution), all started here as pr
 8. 64 GPUs on 4 simulated nodes: makespan / ideal, occupancy, Redis commands, CPU and memory
    per process kind, beat's tick
 9. `make bench-10m`, not in the default run: case 5 with 10,000,000 prompts, bodies on storage
+10-12. the seed's run at its own scale (benchmarks/seed_run.py): truncated rows continued with
+   their prefixes out of Redis; status and beat's tick at 64 GPUs whatever the broker holds;
+   the bytes written for a manifest over 1,000 batches
 
 Cases 1-3 run the project and the baseline (benchmarks/baseline.py: one asyncio process, a static
 round-robin split, a semaphore per server) at the same time, each on its own four servers, so both
 see the same machine. The table goes to stdout and to benchmarks/RESULTS.md.
 
-    .venv/bin/python -m benchmarks [--quick] [--cases 1,2,4,5,6,7,8] [--results PATH]
+    .venv/bin/python -m benchmarks [--quick] [--cases 1,2,4,5,6,7,8,10,11,12] [--results PATH]
 """
 from __future__ import annotations
 
@@ -44,14 +47,14 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import data, measure, profile, report  # noqa: E402
+from benchmarks import data, measure, profile, report, seed_run  # noqa: E402
 from dflash_dev.local import LocalCluster, free_port, wait_until  # noqa: E402
 from dflash_tasks.core.keys import JobKeys, queue_for  # noqa: E402
 from dflash_tasks.core.settings import Settings  # noqa: E402
 from dflash_tasks.ingest.prompts import read_prompts  # noqa: E402
 
 README = ROOT / "README.md"
-DEFAULT_CASES = "1,2,4,5,6,7,8"
+DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12"
 CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path(tempfile.gettempdir()) / "dflash-bench"))
 
 
@@ -82,6 +85,8 @@ class Config:
     many_slots: int = 16             # decode slots per server
     many_decode_tps: float = 250.0   # per request: about 100 requests/s from 1,024 slots
     many_prompts: int = 16_384       # 16 per slot
+    seed_prompts: int = 10_000       # case 10: about 2,000 of them truncated and continued
+    manifest_batches: int = 1_000    # case 12
 
     @classmethod
     def quick(cls) -> "Config":
@@ -89,7 +94,8 @@ class Config:
                    scale_prompts=100_000, scale_done=99_000, huge_prompts=1_000_000,
                    huge_done=990_000, outage_prompts=4_000,
                    outage_warmup_s=8.0, outage_s=25.0, endgame_prompts=1_000,
-                   many_nodes=2, many_gpus_per_node=8, many_prompts=2_048)
+                   many_nodes=2, many_gpus_per_node=8, many_prompts=2_048, seed_prompts=2_000,
+                   manifest_batches=200)
 
 
 def log(msg: str) -> None:
@@ -625,6 +631,12 @@ def main() -> None:
         if "6" in cases:
             outage = data.cached_dataset(cfg.outage_prompts, CACHE, seed=17)
             results["case6"] = outage_case(cfg, work, outage)
+        if "10" in cases:
+            results["case10"] = seed_run.continuation_case(work, cfg.seed_prompts, cfg.servers)
+        if "11" in cases:
+            results["case11"] = seed_run.fleet_case(work)
+        if "12" in cases:
+            results["case12"] = seed_run.manifest_case(work, cfg.manifest_batches)
     finally:
         results["bench_wall_s"] = time.monotonic() - started
         (work / "results.json").write_text(json.dumps(results, indent=1))

@@ -88,7 +88,47 @@ def table(res: dict) -> list[str]:
             ("8", f"slot occupancy until the pending work runs out ({c8['gpus']} GPUs)", "≥ 0.98",
              f"{o['occupancy']:.4f}", "—", o["occupancy"] >= 0.98),
         ]
-    return lines + _row_lines(rows)
+    return lines + _row_lines(rows + _seed_rows(res))
+
+
+def _seed_rows(res: dict) -> list[tuple]:
+    """Cases 10-12: the seed's run at its own scale."""
+    rows = []
+    c10, c11, c12 = res.get("case10"), res.get("case11"), res.get("case12")
+    if c10:
+        n = c10["reopened"]
+        rows += [
+            ("10", f"`regenerate --continue` of {n:,} rows truncated at 4,096 (random ids): Redis"
+                   " added per row taken back (the job's keys / used_memory)", "≤ 500 B",
+             f"{c10['job_bytes_per_row']:+,.0f} / {c10['used_memory_per_row']:+,.0f} B",
+             f"{c10['old_entry_bytes']:,.0f} B (the prefix in Redis, as before; computed)",
+             max(c10["job_bytes_per_row"], c10["used_memory_per_row"]) <= 500),
+            ("10", "the regenerate command's time per 10,000 rows taken back", "—",
+             f"{c10['s_per_10k']:.1f} s", "—", None),
+            ("10", "continued rows that extend their own prefix (real workers)", f"all {n:,}",
+             f"{c10['extended']:,}", "—", c10["extended"] == n),
+            ("10", f"computed for the seed's {c10['seed_rows']:,} rows: Redis added, and the"
+                   " regenerate's time", "≤ 0.1 GB",
+             f"{c10['seed_bytes'] / GB:.3f} GB, {c10['seed_regenerate_s'] / 60:.1f} min",
+             f"{c10['seed_old_bytes'] / GB:.1f} GB", c10["seed_bytes"] <= 0.1 * GB),
+        ]
+    if c11:
+        by = {int(k): v for k, v in c11["by_unacked"].items()}
+        empty = by[0]
+        for held, f in sorted(by.items()):
+            rows.append((
+                "11", f"status / snapshot / tick, {c11['gpus']} GPUs x {c11['in_flight']} in flight,"
+                      f" {held:,} messages unacknowledged", "snapshot ≤ 2x empty and ≤ 20 ms;"
+                                                           " tick ≤ 50 ms",
+                f"{f['status_ms']:.1f} / {f['snapshot_ms']:.1f} / {f['tick_ms']:.1f} ms", "—",
+                f["snapshot_ms"] <= max(2 * empty["snapshot_ms"], 1.0) and f["snapshot_ms"] <= 20
+                and f["tick_ms"] <= 50))
+    if c12:
+        rows.append(("12", f"manifest bytes written over {c12['batches']:,} batches / its final size",
+                     "a small multiple (≤ 8)", f"{c12['ratio']:.1f}",
+                     f"{c12['whole_ratio']:.0f} (whole manifest.json each batch, as before; computed)",
+                     c12["ratio"] <= 8))
+    return rows
 
 
 def _row_lines(rows: list[tuple]) -> list[str]:
@@ -332,8 +372,50 @@ def render(res: dict) -> str:
             f" at half-way: {mem}; {total / 2**30:.2f} GiB for the whole deployment.",
             "",
         ]
+    lines += _seed_measured(res)
     lines += _gaps(res)
     return "\n".join(lines) + "\n"
+
+
+def _seed_measured(res: dict) -> list[str]:
+    """How cases 10-12 were measured (benchmarks/seed_run.py)."""
+    out = []
+    c10, c11, c12 = res.get("case10"), res.get("case11"), res.get("case12")
+    if c10:
+        out += [
+            f"- **Case 10.** {c10['prompts']:,} finished rows in a redis-server of its own, recorded"
+            " by complete.lua and sealed in batches of 1,000: about a fifth cut at 4,096 tokens,"
+            " with random token ids and words (nothing a compressor folds away). Then `set"
+            " --max-output-tokens 8192` and `manage.py regenerate --continue` as a process of its"
+            f" own: {c10['reopened']:,} rows taken back in {c10['regenerate_s']:.1f} s, each"
+            f" `prompts` entry a reference of {c10['prompts_entry_bytes']:.0f} bytes (the rows' entries"
+            " went to chunk objects on the output storage). Redis added per row: the job's keys"
+            f" (MEMORY USAGE) {c10['job_bytes_per_row']:+,.0f} B, used_memory"
+            f" {c10['used_memory_per_row']:+,.0f} B (a row's record leaves the index of rows by"
+            " finish reason as it is taken back). Before, the entry was stored in Redis whole:"
+            f" {c10['old_entry_bytes']:,.0f} B a row on these rows. Four simulated servers and"
+            f" workers then generated the continuations in {c10['generate_s']:.0f} s;"
+            f" {c10['extended']:,} of {c10['reopened']:,} new rows begin with their own 4,096 ids.",
+            ""]
+    if c11:
+        out += [
+            f"- **Case 11.** A job on {c11['gpus']} registered, live GPUs with {c11['in_flight']}"
+            " requests in flight each (and a retry waiting for every 50th), 100,000 pending; kombu's"
+            " `unacked` hash filled with task messages of those GPUs (a fifth of them retries with"
+            " an ETA) to 0, 2,000 and 20,000 entries. Medians of 15 calls each, in a process of"
+            " their own (benchmarks/probe.py): `manage.py status --json` in-process, the progress"
+            " snapshot, beat's whole tick for the job.",
+            ""]
+    if c12:
+        out += [
+            f"- **Case 12.** {c12['batches']:,} batches of one row sealed one after the other by the"
+            " BatchWriter, manifest.json and its parts written after each to a local directory"
+            f" that counts the bytes: {c12['written'] / 1e6:.2f} MB written, {c12['final'] / 1e6:.3f}"
+            " MB in the final manifest (manifest.json and its parts). A whole manifest.json after"
+            f" every batch, as before: {c12['whole_written'] / 1e6:.1f} MB for a final"
+            f" {c12['whole_final'] / 1e6:.3f} MB (computed from the same manifests).",
+            ""]
+    return out
 
 
 def _every_10s(c6: dict) -> str:
