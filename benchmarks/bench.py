@@ -18,6 +18,8 @@ decode speed, the real run's output-length distribution), all started here as pr
 10-12. the seed's run at its own scale (benchmarks/seed_run.py): truncated rows continued with
    their prefixes out of Redis; status and beat's tick at 64 GPUs whatever the broker holds;
    the bytes written for a manifest over 1,000 batches
+13. a continuation round (1,000 rows cut at 4,096 continued to 8,192, all long) on 4 servers,
+   one 1.5x slower: makespan / ideal                                   goal <= 1.10
 
 Cases 1-3 run the project and the baseline (benchmarks/baseline.py: one asyncio process, a static
 round-robin split, a semaphore per server) at the same time, each on its own four servers, so both
@@ -54,7 +56,7 @@ from dflash_tasks.core.settings import Settings  # noqa: E402
 from dflash_tasks.ingest.prompts import read_prompts  # noqa: E402
 
 README = ROOT / "README.md"
-DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12"
+DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12,13"
 CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path(tempfile.gettempdir()) / "dflash-bench"))
 
 
@@ -87,6 +89,7 @@ class Config:
     many_prompts: int = 16_384       # 16 per slot
     seed_prompts: int = 10_000       # case 10: about 2,000 of them truncated and continued
     manifest_batches: int = 1_000    # case 12
+    round_prompts: int = 1_000       # case 13: a continuation round, all long
 
     @classmethod
     def quick(cls) -> "Config":
@@ -95,7 +98,7 @@ class Config:
                    huge_done=990_000, outage_prompts=4_000,
                    outage_warmup_s=8.0, outage_s=25.0, endgame_prompts=1_000,
                    many_nodes=2, many_gpus_per_node=8, many_prompts=2_048, seed_prompts=2_000,
-                   manifest_batches=200)
+                   manifest_batches=200, round_prompts=300)
 
 
 def log(msg: str) -> None:
@@ -151,6 +154,7 @@ def makespan_case(cfg: Config, work: Path, name: str, dataset: Path, unit_times:
     n = cfg.servers
     ideal = measure.ideal_makespan(unit_times, [cfg.slots] * n, slow)
     ours_fig = measure.figures(poller.series[:n])
+    generated = sum(s.final["completion_tokens"] for s in poller.series[:n])
     base_fig = measure.figures(poller.series[n:])
     return {
         "name": name, "slow": slow, "ideal_s": ideal, "work_s": sum(unit_times),
@@ -158,7 +162,10 @@ def makespan_case(cfg: Config, work: Path, name: str, dataset: Path, unit_times:
         "static_ref": measure.static_makespan(unit_times, [cfg.slots] * n, slow) / ideal,
         "longest_s": max(unit_times), "wall_s": meter.wall,
         "ours": {**asdict(ours_fig), "ratio": ours_fig.makespan / ideal,
-                 "completed": c.get("completed", 0), "failed": c.get("failed", 0)},
+                 "completed": c.get("completed", 0), "failed": c.get("failed", 0),
+                 # The end game's moves (issue 29), and the tokens decoded that no row kept.
+                 "migrated": c.get("migrated", 0), "migrated_tokens": c.get("migrated_tokens", 0),
+                 "tokens_lost": generated - c.get("output_tokens", 0)},
         "baseline": {**asdict(base_fig), "ratio": base_fig.makespan / ideal,
                      "completed": baseline["completed"], "failed": baseline["failed"],
                      "client_cpu_s": baseline.get("cpu_s", 0.0)},
@@ -556,7 +563,10 @@ def many_gpus_case(cfg: Config, work: Path, dataset: Path, unit_times: list[floa
             "dynamic_ref": measure.dynamic_makespan(unit_times, [cfg.many_slots] * n_gpus,
                                                     [1.0] * n_gpus) / ideal,
             "ours": {**asdict(fig), "ratio": fig.makespan / ideal, "completed": completed,
-                     "failed": counters.get("failed", 0)},
+                     "failed": counters.get("failed", 0), "migrated": counters.get("migrated", 0),
+                     "migrated_tokens": counters.get("migrated_tokens", 0),
+                     "tokens_lost": sum(s.final["completion_tokens"] for s in poller.series)
+                     - counters.get("output_tokens", 0)},
             "redis_commands_per_completion": commands / max(1, completed),
             "cpu_ms_per_completion": {kind: 1000 * v / max(1, completed) for kind, v in cpu.items()},
             "cpu_s": cpu, "wall_s": meter.wall, "memory": memory, **probe}
@@ -637,6 +647,9 @@ def main() -> None:
             results["case11"] = seed_run.fleet_case(work)
         if "12" in cases:
             results["case12"] = seed_run.manifest_case(work, cfg.manifest_batches)
+        if "13" in cases:
+            results["case13"] = seed_run.continuation_round_case(work, cfg.round_prompts,
+                                                                 cfg.servers, cfg.slow_factor)
     finally:
         results["bench_wall_s"] = time.monotonic() - started
         (work / "results.json").write_text(json.dumps(results, indent=1))

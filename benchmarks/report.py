@@ -73,11 +73,14 @@ def table(res: dict) -> list[str]:
         ]
     c7 = res.get("case7")
     if c7:
-        rows.append(("7", f"end game: makespan / ideal, {c7['ours']['requests']:,} prompts"
-                          f" (~{c7['ours']['requests'] / (cfg['servers'] * cfg['slots']):.0f} per"
-                          f" slot), one server {cfg['slow_factor']:g}x slower", "≤ 1.10",
-                     f"{c7['ours']['ratio']:.3f}", f"{c7['baseline']['ratio']:.3f}",
-                     c7["ours"]["ratio"] <= 1.10))
+        prompts = c7["ours"]["completed"] + c7["ours"]["failed"]
+        rows.append(("7", f"end game: makespan / ideal, {prompts:,} prompts"
+                          f" (~{prompts / (cfg['servers'] * cfg['slots']):.0f} per"
+                          f" slot), one server {cfg['slow_factor']:g}x slower", "≤ 1.05",
+                     f"{c7['ours']['ratio']:.3f}",
+                     f"{c7['baseline']['ratio']:.3f}; no moves, zero overhead:"
+                     f" {c7['dynamic_ref']:.3f}", c7["ours"]["ratio"] <= 1.05))
+        rows.append(_moves_row("7", c7["ours"]))
     c8 = res.get("case8")
     if c8:
         o = c8["ours"]
@@ -87,12 +90,23 @@ def table(res: dict) -> list[str]:
              f"{c8['dynamic_ref']:.3f} (zero-overhead dispatcher, computed)", o["ratio"] <= 1.05),
             ("8", f"slot occupancy until the pending work runs out ({c8['gpus']} GPUs)", "≥ 0.98",
              f"{o['occupancy']:.4f}", "—", o["occupancy"] >= 0.98),
+            _moves_row("8", o),
         ]
     return lines + _row_lines(rows + _seed_rows(res))
 
 
+def _moves_row(num: str, ours: dict) -> tuple:
+    """The end game's moves of a case (issue 29): how many generations, the tokens they had
+    when moved, the tokens decoded that no row kept (an abort may decode one more)."""
+    moved = ours.get("migrated", 0)
+    return (num, "generations moved to a faster GPU at the end: how many, the tokens they had"
+                 " when moved; tokens decoded that no row kept", "≤ 1 lost per move",
+            f"{moved:,} moved, {ours.get('migrated_tokens', 0):,} tokens kept;"
+            f" {ours.get('tokens_lost', 0):,} lost", "—", ours.get("tokens_lost", 0) <= moved)
+
+
 def _seed_rows(res: dict) -> list[tuple]:
-    """Cases 10-12: the seed's run at its own scale."""
+    """Cases 10-13: the seed's run at its own scale, and its continuation round."""
     rows = []
     c10, c11, c12 = res.get("case10"), res.get("case11"), res.get("case12")
     if c10:
@@ -128,6 +142,14 @@ def _seed_rows(res: dict) -> list[tuple]:
                      "a small multiple (≤ 8)", f"{c12['ratio']:.1f}",
                      f"{c12['whole_ratio']:.0f} (whole manifest.json each batch, as before; computed)",
                      c12["ratio"] <= 8))
+    c13 = res.get("case13")
+    if c13:
+        rows += [
+            ("13", f"continuation round: {c13['continued']:,} rows cut at 4,096 continued to 8,192,"
+                   " one server 1.5x slower: makespan / ideal", "≤ 1.10", f"{c13['ratio']:.3f}",
+             f"{c13['dynamic_ref']:.3f} (no moves, zero overhead; computed)", c13["ratio"] <= 1.10),
+            _moves_row("13", c13),
+        ]
     return rows
 
 
@@ -461,7 +483,7 @@ def _gaps(res: dict) -> list[str]:
             " than slots in flight, about 0.4 s at this rate), slots idle. What would move it: less worker CPU per completion (case 4's profile), or a slower"
             " time compression (a lower decode speed) at the price of a longer benchmark.")
     c7 = res.get("case7")
-    if c7 and c7["ours"]["ratio"] > 1.10:
+    if c7 and c7["ours"]["ratio"] > 1.05:
         missing = True
         ends = c7.get("server_ends") or []
         fast = max((t for t, f in ends if f == 1.0), default=None)
@@ -469,12 +491,13 @@ def _gaps(res: dict) -> list[str]:
         where = (f" The faster servers' last answers came at {fast / c7['ideal_s']:.3f}x the ideal,"
                  f" the slower one's at {slow / c7['ideal_s']:.3f}x.") if fast and slow else ""
         out.append(
-            f"- **case 7: {c7['ours']['ratio']:.3f} (goal ≤ 1.10).**{where} What decides the end is"
-            " the long generations that start just before the work runs out, which no dispatcher"
-            " without foreknowledge of output lengths can place: a zero-overhead dispatcher in"
-            f" dataset order, computed on the same prompts, ends at {c7['dynamic_ref']:.3f}x. The"
-            " ideal counts the longest request only once, on a fast server, not a long one"
-            " started late.")
+            f"- **case 7: {c7['ours']['ratio']:.3f} (goal ≤ 1.05).**{where} The end game moved"
+            f" {c7['ours'].get('migrated', 0)} generations from the slower server to free slots"
+            " (a move waits for the worker there to abort the request and hand its tokens over:"
+            " about a second of its time, and a generation moves only once nothing else waits);"
+            f" a zero-overhead dispatcher without moves, computed on the same prompts, ends at"
+            f" {c7['dynamic_ref']:.3f}x. The ideal counts the longest request once, on a fast"
+            " server.")
     c8 = res.get("case8")
     if c8 and (c8["ours"]["ratio"] > 1.05 or c8["ours"]["occupancy"] < 0.98):
         missing = True

@@ -226,3 +226,71 @@ def manifest_case(work: Path, batches: int = 1000) -> dict:
             # same manifests' sizes.
             "whole_written": sum(sizes), "whole_final": sizes[-1],
             "whole_ratio": sum(sizes) / sizes[-1]}
+
+
+def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor: float) -> dict:
+    """Case 13: the seed run's second round. `prompts` prompts whose outputs are long (the
+    simulated servers' median set to 7,000 tokens) generated at a cap of 4,096, nearly all cut;
+    the cap raised to 8,192 and `regenerate --continue`, on fresh servers, one of them
+    `slow_factor` times slower. The round's makespan, from the first continuation to the last
+    answer, against the ideal computed from its rows (the work each row's continuation cost: the
+    tokens it added at the servers' decode speed; spread over every slot at its speed, or the
+    longest one on a fastest server), beside a zero-overhead dispatcher without moves."""
+    from benchmarks import measure
+
+    root, job = work / "case13", "round"
+    slots, tps = 40, 1500.0
+    long_outputs = ["--slots", str(slots), "--decode-tps", f"{tps:g}", "--median-tokens", "7000",
+                    "--p-over-4096", "0.9"]
+    dataset = root / "round.jsonl"
+    dataset.parent.mkdir(parents=True, exist_ok=True)
+    dataset.write_text("".join(json.dumps({"id": f"r{i:05d}", "prompt": f"Question {i}: derive "
+                                           f"case {i * 7919 % 4099} in full."}) + "\n"
+                               for i in range(prompts)))
+    slow = [1.0] * (servers - 1) + [slow_factor]
+    with LocalCluster(root / "logs", env={"DFLASH_OUTPUT_DIR": str(root / "output")}) as c:
+        r = redis.Redis.from_url(c.start_redis(free_port(), root / "redis"))
+        log(f"case 13: {prompts:,} long prompts at a cap of {CUT:,} (the first round)")
+        c.start_servers(servers, long_outputs)
+        c.start_workers()
+        c.start_beat()
+        c.manage("enqueue", "--dataset", str(dataset), "--job", job, "--max-output-tokens", str(CUT),
+                 capture=True)
+        wait_until(lambda: r.hget(JobKeys(job).config, "status") == b"done", timeout=1800,
+                   interval=1.0, what="the first round")
+        for proc in list(c.children)[1:]:  # everything but Redis: the round starts on fresh servers
+            proc.stop(timeout=30)
+        c.children[1:] = []
+        c.servers.clear()
+        c.manage("set", "--job", job, "--max-output-tokens", "8192", capture=True)
+        out = c.manage("regenerate", "--job", job, "--finish-reason", "length", "--continue",
+                       capture=True).stdout
+        extra = {i: ["--slow-factor", f"{f:g}"] for i, f in enumerate(slow) if f != 1.0}
+        urls = c.start_servers(servers, long_outputs, extra_args=extra)
+        log(f"case 13: the continuation round on {servers} servers, one {slow_factor:g}x slower")
+        with measure.ServerPoller(urls) as poller:
+            c.start_workers()
+            c.start_beat()
+            wait_until(lambda: r.hget(JobKeys(job).config, "status") == b"done", timeout=1800,
+                       interval=0.5, what="the continuation round")
+        counters = {k.decode(): int(v) for k, v in r.hgetall(JobKeys(job).counters).items()}
+        storage = LocalStorage(root / "output")
+        newest = {}
+        for record in read_manifest(storage, job)["batches"]:
+            for row in read_batch(storage, record):
+                newest[row["id"]] = row
+    # Every row of the round (a moved one kept more than the cut: its tokens from before the move)
+    continued = [row for row in newest.values()
+                 if (row["metadata"].get("continued_tokens") or 0) >= CUT]
+    work_s = [(row["metadata"]["completion_tokens"] - CUT) / tps for row in continued]
+    ideal = measure.ideal_makespan(work_s, [slots] * servers, slow)
+    fig = measure.figures(poller.series)
+    generated = sum(s.final["completion_tokens"] for s in poller.series)
+    return {"prompts": prompts, "continued": len(continued), "ideal_s": ideal,
+            "makespan_s": fig.makespan, "ratio": fig.makespan / ideal, "occupancy": fig.occupancy,
+            "dynamic_ref": measure.dynamic_makespan(work_s, [slots] * servers, slow) / ideal,
+            "longest_s": max(work_s), "migrated": counters.get("migrated", 0),
+            "migrated_tokens": counters.get("migrated_tokens", 0),
+            "tokens_lost": generated - sum(row["metadata"]["completion_tokens"] - CUT
+                                           for row in continued),
+            "regenerate_output": out[-1000:]}

@@ -278,5 +278,44 @@ def check_regenerate_continue(c, s: Served, tmp_path: Path) -> None:
     assert snap["total_output_tokens"] == sum(r["metadata"]["completion_tokens"] for r in newest.values())
 
 
+ABORT_TOKENS = 2000  # long enough to abort it while it runs, on either server
+
+
+def check_abort_and_continue(s: Served) -> None:
+    """What moving a generation to another GPU relies on (issue 29): /abort_request answers 200
+    with an empty body; the aborted request's own answer completes normally, finish_reason
+    "abort", with its partial output and token ids; continuing from the prompt's ids and those
+    with /generate gives, id for id, what one uninterrupted greedy generation gives. The real
+    tiny model would stop after 15 tokens: it is asked to ignore its end token."""
+    import threading
+    import time
+
+    messages = [{"role": "user", "content": "Count slowly, one number at a time."}]
+    greedy = {"temperature": 0, **({"ignore_eos": True} if s.kind == "real" else {})}
+    whole = fresh_chat(s, messages, ABORT_TOKENS, **greedy)["choices"][0]
+    whole_ids = whole["response_token_ids"]
+    assert len(whole_ids) > 100, len(whole_ids)
+    got: dict = {}
+    rid = f"abort-check-{time.time_ns()}"
+    running = threading.Thread(target=lambda: got.update(
+        answer=fresh_chat(s, messages, ABORT_TOKENS, rid=rid, **greedy)))
+    running.start()
+    time.sleep(0.5)  # it runs: the whole generation takes seconds on either server
+    aborted = httpx.post(s.url + "/abort_request", json={"rid": rid}, timeout=30)
+    assert aborted.status_code == 200 and aborted.content == b"", (aborted.status_code, aborted.text)
+    running.join(timeout=120)
+    choice = got["answer"]["choices"][0]
+    assert choice["finish_reason"] == "abort", dump(choice)
+    partial = choice["response_token_ids"]
+    assert 0 < len(partial) < len(whole_ids), (len(partial), len(whole_ids))
+    assert partial == whole_ids[:len(partial)]
+    sampling = {"max_new_tokens": len(whole_ids) - len(partial), "temperature": 0,
+                **({"ignore_eos": True} if s.kind == "real" else {})}
+    rest = httpx.post(s.url + "/generate", json={"input_ids": choice["prompt_token_ids"] + partial,
+                                                 "sampling_params": sampling}, timeout=120)
+    assert rest.status_code == 200, rest.text
+    assert partial + rest.json()["output_ids"] == whole_ids
+
+
 def dump(obj) -> str:
     return json.dumps(obj, indent=1)[:2000]

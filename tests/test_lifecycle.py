@@ -94,14 +94,33 @@ def test_cancel_keeps_every_prompt_and_resume_finishes_them(c, tmp_path):
 ])
 def test_a_failed_enqueue_leaves_no_job(c, tmp_path, name, content):
     path = tmp_path / name
-    if name == "truncated.jsonl.gz":
+    if name == "truncated.jsonl.gz":  # cut before its first chunk of 1,000 prompts is stored
         whole = gzip.compress("".join(json.dumps(p) + "\n" for p in prompts(3000)).encode())
-        path.write_bytes(whole[: len(whole) // 2])
+        path.write_bytes(whole[:200])
     elif content is not None:
         path.write_bytes(content)
     err = refused(c, "enqueue", "--dataset", str(path), "--job", JOB)
     assert name in err and "not created" in err, err
     assert job_keys(c) == [] and not c.r.sismember("dflash:jobs", JOB)
+
+
+def test_a_new_job_dispatches_from_its_first_chunk_and_keeps_it_whatever_follows(c, tmp_path):
+    """Issue 29: the GPUs do not wait for the whole dataset: a new job runs from its first stored
+    chunk of 1,000 prompts. A dataset that turns out unreadable after that keeps the job, running,
+    with every prompt stored before the error (they are being generated), and says so;
+    enqueueing the fixed dataset again adds the rest."""
+    rows = prompts(3000)
+    whole = gzip.compress("".join(json.dumps(p) + "\n" for p in rows).encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[: len(whole) * 3 // 4])
+    err = refused(c, "enqueue", "--dataset", str(cut), "--job", JOB)
+    assert "cannot read past line" in err and f"job {JOB} kept its" in err, err
+    snap = c.status(JOB)
+    assert snap["status"] == "running" and snap["total"] >= 1000 and snap["total"] % 1000 == 0
+    fixed = tmp_path / "fixed.jsonl.gz"
+    fixed.write_bytes(whole)
+    c.manage("enqueue", "--dataset", str(fixed), "--job", JOB)
+    assert c.status(JOB)["total"] == 3000
 
 
 def test_a_failed_resume_keeps_the_job_as_it_was(c, tmp_path):

@@ -278,9 +278,9 @@ def test_enqueue_to_an_unreachable_s3_says_so_and_leaves_nothing(cluster, moto, 
     assert not c.r.keys("dflash:{nope}:*") and not c.r.sismember("dflash:jobs", "nope")
 
 
-def test_a_dataset_error_after_chunks_were_written_removes_them(cluster, tmp_path):
+def test_a_dataset_error_before_the_first_chunk_removes_what_was_written(cluster, tmp_path):
     c = cluster()
-    path, _ = dataset(tmp_path, 2500)
+    path, _ = dataset(tmp_path, 900)  # less than a chunk: nothing is dispatched before the end
     with open(path, "ab") as f:
         f.write(b"\xff\xfe not a line of any encoding\n")  # read fine: a bad row, not an error
     gz = tmp_path / "cut.jsonl.gz"

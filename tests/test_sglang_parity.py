@@ -38,3 +38,12 @@ def test_context_errors_are_permanent(served_cluster, tmp_path):
 
 def test_regenerate_continue(served_cluster, tmp_path):
     checks.check_regenerate_continue(*served_cluster, tmp_path)
+
+
+def test_abort_and_continue(cluster):
+    """Against a sim whose outputs last seconds (the tiny real model's do, asked to ignore its
+    end token)."""
+    c = cluster()
+    port = c.start_server(0, "--model-name", "tiny-qwen2", "--fixed-tokens",
+                          str(checks.ABORT_TOKENS), "--decode-tps", "1000")
+    checks.check_abort_and_continue(checks.Served(f"http://127.0.0.1:{port}", "tiny-qwen2", "sim"))

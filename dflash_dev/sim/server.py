@@ -310,8 +310,8 @@ class SimServer:
             end = time.time()
             if gen.done.done() and gen.done.result() == "done":
                 generated = gen.completion
-            else:
-                generated = gen.decoded(end)
+            else:  # as SGLang, a running request aborted may still decode one more token
+                generated = min(gen.completion, gen.decoded(end) + 1)
             self.running.discard(gen)
             self.active.discard(gen)
             self.busy_slot_seconds += end - gen.started

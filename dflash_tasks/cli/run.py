@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -85,12 +86,23 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
     # Chunks are stored by a sender thread while the next ones are read; on a resume only the
     # prompts the job does not know yet are encoded and sent (loader.py).
     book = shared_ledger()
+    # A new job dispatches from its first stored chunk (the GPUs need not wait for the whole
+    # dataset): it runs from then on, and keeps what it stored whatever happens to the rest.
+    dispatching = threading.Event()
+
+    def start_dispatch(added: int) -> None:
+        if existing is None and added and not dispatching.is_set() and \
+                book.transition(name, lifecycle.LOADING, lifecycle.RUNNING):
+            dispatching.set()
+            dispatch.topup_all(app, book, get_settings(), jobs.load(r, name))
+
     try:
         store_bodies = None
         if bodies == "storage":
             location = job_location(r, name, get_settings())
             store_bodies = ChunkWriter(r, name, location, storage_at(location, get_settings()))
-        loader = PromptLoader(r, book, name, resume=existing is not None, store_bodies=store_bodies)
+        loader = PromptLoader(r, book, name, resume=existing is not None, store_bodies=store_bodies,
+                              on_stored=start_dispatch)
     except jobs.JobDeleted as exc:
         raise click.ClickException(f"{exc}; nothing was stored") from None
     except BaseException:
@@ -112,9 +124,10 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
     except BaseException as exc:
         loader.abandon()
         gone = isinstance(exc, jobs.JobDeleted)
-        if existing is None and not gone:
+        removed = existing is None and not gone and not dispatching.is_set()
+        if removed:
             jobs.delete(r, name)
-        if (existing is None or gone) and store_bodies is not None and store_bodies.written:
+        if (removed or gone) and store_bodies is not None and store_bodies.written:
             # The job is gone (removed again after the error, or deleted meanwhile, perhaps
             # before this enqueue's last chunk landed): its chunks are nobody's.
             try:
@@ -126,24 +139,13 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
             err_console.print(f"[yellow]job {name}: {loader.added:,} new prompts were stored "
                               "before the error; enqueueing the fixed dataset again adds the rest[/]")
         if isinstance(exc, (DatasetError, StorageError, jobs.JobDeleted)):
-            what = "deleted meanwhile" if gone else "not created" if existing is None else \
+            what = "deleted meanwhile" if gone else "not created" if removed else \
                 f"kept its {loader.added:,} new prompts" if loader.added else "unchanged"
             raise click.ClickException(f"{exc} (job {name} {what})") from None
         raise
 
-    # The job's parameters and GPU selection, compared and set against what this command read
-    # before loading (seconds to minutes ago): a cancel, a pause or a `set` made meanwhile is
-    # never undone. Beat may have marked the job done meanwhile, and new prompts make a done job
-    # run again (add_prompts.lua): both count as the state read.
     get_settings().failpoint("enqueue.before_apply")
-    if existing is None:
-        expect = {"status": [lifecycle.LOADING]}
-    else:
-        expect = {**existing.as_read("params", "gpus", "nodes"),
-                  "status": [lifecycle.RUNNING, lifecycle.DONE]
-                  if existing.status in (lifecycle.RUNNING, lifecycle.DONE) else [existing.status]}
-    changes = {**jobs.config_fields(params, selection), "dataset": str(dataset),
-               **({"status": lifecycle.RUNNING} if existing is None else {})}
+    expect, changes = _final_write(existing, dispatching.is_set(), params, selection, dataset)
     wrong = book.update_job(name, expect, changes)
     if wrong:
         stored = f"its {added:,} new prompts are stored and counted" if added else \
@@ -168,6 +170,25 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
                            dispatch.serving_gpus(book, get_settings(), job))
     if follow:
         _watch(r, name, until_done=True)
+
+
+def _final_write(existing: jobs.Job | None, started: bool, params, selection,
+                 dataset: Path) -> tuple[dict, dict]:
+    """What an enqueue writes into the job once its dataset is stored, and what it expects to
+    find there (Ledger.update_job), against what it read before loading, seconds to minutes ago:
+    a new job that already dispatches has had its settings since it was made (it must only still
+    exist); a new one that does not yet, its settings and `running`; a resumed one, its new
+    parameters and GPU selection, only if no one changed them, nor its state, meanwhile (a
+    cancel, a pause or a `set` is never undone; beat's done, and new prompts that make a done
+    job run again, count as the state read)."""
+    if started:
+        return {"status": list(lifecycle.STATES)}, {}
+    settings = {**jobs.config_fields(params, selection), "dataset": str(dataset)}
+    if existing is None:
+        return {"status": [lifecycle.LOADING]}, {**settings, "status": lifecycle.RUNNING}
+    same = [lifecycle.RUNNING, lifecycle.DONE] \
+        if existing.status in (lifecycle.RUNNING, lifecycle.DONE) else [existing.status]
+    return {**existing.as_read("params", "gpus", "nodes"), "status": same}, settings
 
 
 def _print_enqueue_summary(r, job, summary, added, params, serving: list[str]) -> None:

@@ -20,6 +20,10 @@ BEAT_SEEN = f"{PREFIX}:beat:seen"  # string: Redis time of beat's last tick (sta
 # string: JSON {used_memory, maxmemory, since}, present while Redis's memory is above the hold
 # ratio of its maxmemory: no job dispatches (take.lua) until beat's maintain finds it below.
 MEMORY_HOLD = f"{PREFIX}:memory:hold"
+# list per GPU, MIGRATIONS + GPU: "<job>\n<id>" of the generations its worker is to abort and hand
+# over to a faster GPU (take.lua pushes, the worker's migration thread pops).
+MIGRATIONS = f"{PREFIX}:migrations:"
+
 
 # Celery task and queue names: the contract between the processes that send and run messages
 # (renaming one strands the messages already queued under the old name).
@@ -101,6 +105,11 @@ class JobKeys:
 
     def inflight(self, gpu: str) -> str:  # zset: ids dispatched to the GPU -> dispatch time
         return self._k(f"inflight:{gpu}")
+
+    @property
+    def migrating(self) -> str:   # hash: id -> "<from gpu> <to gpu> <time>": a generation ordered
+        # moved off a slower GPU (take.lua), until the worker there hands it over (hand_over.lua)
+        return self._k("migrating")
 
     def retrying(self, gpu: str) -> str:  # zset: ids whose retry waits for its ETA in the GPU's
         # worker -> when it is due (retry.lua adds, the task's next run removes)

@@ -104,9 +104,10 @@ class Settings(BaseSettings):
     breaker_handover_s: float = 60.0
 
     # Warm shutdown (SIGTERM): requests in flight get this long to finish, then they are aborted
-    # on the server and their prompts go back to the queue. Below the deployments' stop grace
-    # period (5 minutes in docker-compose.yml and workers/launch_node.py).
-    shutdown_grace_s: float = 240.0
+    # on the server and handed over with their partial output, which another GPU continues (0:
+    # at once; a long generation is neither thrown away nor waited for). Below the deployments'
+    # stop grace period (5 minutes in docker-compose.yml and workers/launch_node.py).
+    shutdown_grace_s: float = 0.0
 
     # A task whose Redis goes away (a Redis restart) retries its ledger writes this long before
     # giving up; its message is then redelivered after the visibility timeout.

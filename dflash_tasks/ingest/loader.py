@@ -30,11 +30,13 @@ DEPTH = 2      # chunks encoded ahead of the one Redis is storing
 
 class PromptLoader:
     def __init__(self, client: redis.Redis, book: Ledger, job: str, *, resume: bool,
-                 store_bodies: Callable[[list[bytes]], list[bytes]] | None = None):
+                 store_bodies: Callable[[list[bytes]], list[bytes]] | None = None,
+                 on_stored: Callable[[int], object] | None = None):
         self.r, self.book, self.job = client, book, job
         self.keys = JobKeys(job)
         self.resume = resume
         self.store_bodies = store_bodies
+        self.on_stored = on_stored  # told how many prompts each chunk added, once it is stored
         self.added = 0
         self.sent = 0
         self._queue: queue.Queue = queue.Queue(maxsize=DEPTH)
@@ -101,7 +103,10 @@ class PromptLoader:
                 stored = compress_many([messages_json(p.messages).encode("utf-8") for p in prompts])
                 if self.store_bodies is not None:
                     stored = self.store_bodies(stored)
-                self.added += self.book.add_prompts(self.job, [(p.id, s) for p, s in zip(prompts, stored)])
+                added = self.book.add_prompts(self.job, [(p.id, s) for p, s in zip(prompts, stored)])
+                self.added += added
                 self.sent += len(prompts)
+                if self.on_stored is not None:
+                    self.on_stored(added)
             except BaseException as exc:  # re-raised in the caller's thread
                 self._error = exc

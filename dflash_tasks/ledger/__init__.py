@@ -19,7 +19,15 @@ import redis
 
 from dflash_tasks.core.connections import redis_client
 from dflash_tasks.core.jobs import JobDeleted
-from dflash_tasks.core.keys import BREAKERS, MEMORY_HOLD, WORKERS, WORKERS_SEEN, JobKeys, queue_for
+from dflash_tasks.core.keys import (
+    BREAKERS,
+    MEMORY_HOLD,
+    MIGRATIONS,
+    WORKERS,
+    WORKERS_SEEN,
+    JobKeys,
+    queue_for,
+)
 from dflash_tasks.core.lifecycle import STATES
 from dflash_tasks.core.settings import Settings, get_settings
 from dflash_tasks.ledger import bodies
@@ -113,6 +121,7 @@ class Ledger:
             for name in ("unknown_ids", "add_prompts", "take", "complete", "fail", "record_batch", "retry",
                          "requeue_failed", "reopen", "recall", "drop_sealed", "clear_sealing",
                          "ship_spooled", "finish", "update_job", "drop_settled", "claim_gpu",
+                         "hand_over",
                          "train_run_set")}
 
     # -- enqueue ---------------------------------------------------------------------------------
@@ -147,9 +156,9 @@ class Ledger:
         k = JobKeys(job)
         ids = self._scripts["take"](keys=[k.config, k.pending, k.inflight(gpu), k.gpus, queue_for(gpu),
                                           k.hold, MEMORY_HOLD, k.speed, WORKERS_SEEN, WORKERS,
-                                          BREAKERS],
+                                          BREAKERS, k.migrating],
                                     args=[window, job, gpu, task, origin, reply_to, k.inflight(""),
-                                          alive_s])
+                                          alive_s, MIGRATIONS, k.retrying("")])
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
     def task_state(self, job: str, prompt_id: str, gpu: str) -> TaskState:
@@ -223,6 +232,34 @@ class Ledger:
                 yield EndedRow(_s(prompt_id), reason, int(prompt_tokens), int(completion_tokens),
                                gpu, entry, prompt if prompts else None, head.decode())
 
+    def migration_target(self, job: str, prompt_id: str, gpu: str) -> str | None:
+        """The GPU take.lua ordered this prompt's generation on `gpu` moved to, if any."""
+        order = self.r.hget(JobKeys(job).migrating, prompt_id)
+        if order is None:
+            return None
+        source, target, _ = order.decode().split(" ")
+        return target if source == gpu else None
+
+    def hand_over(self, job: str, prompt_id: str, source: str, target: str | None,
+                  entry: bytes, tokens: int) -> bool:
+        """Move a generation aborted on `source` to `target` (None: the front of pending), its
+        entry now the one that goes on from its partial output (hand_over.lua). False when the
+        order changed or the prompt left `source` meanwhile (nothing moved)."""
+        k = JobKeys(job)
+        return bool(self._scripts["hand_over"](
+            keys=[k.migrating, k.inflight(source), k.inflight(target or source), k.prompts,
+                  k.pending, k.counters, k.config],
+            args=[prompt_id, entry, source, target or "", tokens]))
+
+    def migrations(self, gpu: str, timeout_s: float) -> tuple[str, str] | None:
+        """The next (job, prompt id) whose generation on `gpu` is to be handed over, waiting up
+        to timeout_s for one (take.lua pushes them)."""
+        got = self.r.blpop([MIGRATIONS + gpu], timeout=timeout_s)
+        if got is None:
+            return None
+        job, _, prompt_id = got[1].decode().partition("\n")
+        return job, prompt_id
+
     def recall(self, job: str, gpu: str, ids: Sequence[str] = ()) -> int:
         """Put prompts in flight on `gpu` (`ids`, or all) back in front of pending (recall.lua)."""
         k = JobKeys(job)
@@ -263,9 +300,11 @@ class Ledger:
         prompt = b"" if reason in UNINDEXED_REASONS else \
             bare_entry or encode_messages(row["conversations"][:-1])
         latency = float(meta.get("latency_s") or 0)
-        # A request too short to say how fast the GPU decodes (prefill and the round trip
-        # dominate it) does not move its speed.
-        speed = f"{out / latency:.1f}" if out >= SPEED_MIN_TOKENS and latency > 0 else ""
+        # What this GPU decoded in that time: a continued row's first tokens came from another
+        # request (a truncated row, a generation moved here). A request too short to say how
+        # fast the GPU decodes (prefill and the round trip dominate it) does not move its speed.
+        made = out - int(meta.get("continued_tokens") or 0)
+        speed = f"{made / latency:.1f}" if made >= SPEED_MIN_TOKENS and latency > 0 else ""
         args = [prompt_id, json.dumps(row, ensure_ascii=False, separators=(",", ":")),
                 int(meta["prompt_tokens"]), out, reason, gpu, rate_bucket_s,
                 out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, k.inflight(""), prompt, speed]

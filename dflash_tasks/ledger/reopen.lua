@@ -36,7 +36,13 @@ if redis.call('HGET', KEYS[6], 'status') == 'done' then
   redis.call('HSET', KEYS[6], 'status', 'running')
 end
 redis.call('HSET', KEYS[2], id, ARGV[2])
-redis.call('RPUSH', KEYS[3], id)
+-- Longest expected work first (the LPT rule for the makespan): a row cut at the cap will be
+-- longer than the cap, longer than most of what is pending: it goes to the front.
+if ARGV[5] == 'length' then
+  redis.call('LPUSH', KEYS[3], id)
+else
+  redis.call('RPUSH', KEYS[3], id)
+end
 local input_tokens, output_tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
 local gpu = 'gpu:' .. ARGV[6] .. ':'
 redis.call('HINCRBY', KEYS[4], 'completed', -1)

@@ -1,8 +1,10 @@
 -- Top one GPU's window up: move ids from pending to that GPU's in-flight set, and publish their
 -- Celery task messages onto its queue.
 -- KEYS: config, pending, inflight(gpu), gpus, queue(gpu), hold (the job's), memory hold (Redis's),
---       speed (the job's), workers:seen, workers, breakers
--- ARGV: window, job, gpu, task name, origin, reply_to, inflight_prefix, alive_s
+--       speed (the job's), workers:seen, workers, breakers, migrating (the job's)
+-- ARGV: window, job, gpu, task name, origin, reply_to, inflight_prefix, alive_s,
+--       migrations_prefix (a GPU's list of generations to hand over, less its name),
+--       retrying_prefix (a GPU's set of retries waiting, less its name)
 -- Returns the ids taken; none unless the job is running, its GPU selection allows this GPU and
 -- no hold is set.
 --
@@ -65,6 +67,55 @@ local function steal(only_slower)
     end
     redis.call('LPUSH', best, raw)  -- not ours to move: back where it was
     skip[best] = true
+  end
+end
+
+-- The last step of the end game: nothing waits anywhere (pending empty, no queue holds one of
+-- the job's messages) and a slot is free here. A generation still running on a measurably
+-- slower GPU (15% or more, complete.lua's speed) would decide the end: it is moved here, the
+-- one dispatched there last (expected to finish last). This orders it; the worker there aborts
+-- it and hands its partial output over, to be continued here from its exact tokens
+-- (generate.py, hand_over.lua). At most as many orders wait for this GPU as it has free slots;
+-- an order older than 60 s, or whose prompt left the GPU it was on, lapses. Retries waiting
+-- for their ETA are not running: they are not moved.
+local function order_migration(room)
+  local job, gpu = ARGV[2], ARGV[3]
+  local own = tonumber(redis.call('HGET', KEYS[8], gpu))
+  if not own then
+    return
+  end
+  local now = tonumber(redis.call('TIME')[1])
+  local waiting = 0
+  local orders = redis.call('HGETALL', KEYS[12])
+  for i = 1, #orders, 2 do
+    local from, to, at = string.match(orders[i + 1], '^(%S+) (%S+) (%d+)$')
+    if not from or now - tonumber(at) > 60 or not redis.call('ZSCORE', ARGV[7] .. from, orders[i]) then
+      redis.call('HDEL', KEYS[12], orders[i])
+    elseif to == gpu then
+      waiting = waiting + 1
+    end
+  end
+  if waiting >= room then
+    return
+  end
+  local slowest, slowest_speed = nil, nil
+  for _, other in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+    local speed = tonumber(redis.call('HGET', KEYS[8], other))
+    if other ~= gpu and speed and 1.15 * speed <= own and (not slowest_speed or speed < slowest_speed)
+       and redis.call('ZCARD', ARGV[7] .. other) > 0 then
+      slowest, slowest_speed = other, speed
+    end
+  end
+  if not slowest then
+    return
+  end
+  for _, id in ipairs(redis.call('ZREVRANGE', ARGV[7] .. slowest, 0, 31)) do
+    if redis.call('HEXISTS', KEYS[12], id) == 0 and not redis.call('ZSCORE', ARGV[10] .. slowest, id) then
+      redis.call('HSET', KEYS[12], id, slowest .. ' ' .. gpu .. ' ' .. now)
+      redis.call('LPUSH', ARGV[9] .. slowest, job .. '\n' .. id)
+      redis.call('LTRIM', ARGV[9] .. slowest, 0, 999)
+      return
+    end
   end
 end
 
@@ -159,6 +210,7 @@ if not ids then
     ids[1] = stolen
   end
   if #ids == 0 then
+    order_migration(room)
     return {}
   end
 end

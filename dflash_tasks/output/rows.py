@@ -52,6 +52,9 @@ def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, 
     }
     if c.continued_tokens:  # the first tokens come from an earlier, truncated row
         row["metadata"]["continued_tokens"] = c.continued_tokens
+    if c.worked:  # moved here from slower GPUs: each one's share of the output
+        row["metadata"]["gpus"] = [*c.worked,
+                                   {"gpu": gpu, "tokens": c.completion_tokens - c.continued_tokens}]
     if c.prompt_token_ids is not None and c.response_token_ids is not None:
         row["token_ids"] = {"prompt": c.prompt_token_ids, "response": c.response_token_ids}
     return row

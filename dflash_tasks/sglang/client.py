@@ -43,6 +43,9 @@ class Completion:
     response_token_ids: list[int] | None = None
     matched_stop: Any = None
     continued_tokens: int = 0  # tokens kept from an earlier, truncated output (not regenerated)
+    # The GPUs that generated the kept tokens, [{gpu, tokens}], when the generation was moved
+    # here from another GPU (generate.py's hand-over); empty otherwise.
+    worked: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,15 +289,38 @@ def parse_generate(data: Any, *, latency_s: float, url: str = "") -> Generation:
         meta = data["meta_info"]
         finish = meta.get("finish_reason") or {}
         reason = finish.get("type", "unknown") if isinstance(finish, dict) else str(finish)
+        g = Generation(text=data.get("text") or "", output_ids=list(data["output_ids"]),
+                       finish_reason=reason, completion_tokens=int(meta["completion_tokens"]),
+                       cached_tokens=int(meta.get("cached_tokens") or 0), latency_s=latency_s,
+                       matched_stop=finish.get("matched") if isinstance(finish, dict) else None)
         if reason == "abort":
-            raise ServerUnavailable(f"request aborted: {finish.get('message', '')}", url=url)
-        return Generation(text=data.get("text") or "", output_ids=list(data["output_ids"]),
-                          finish_reason=reason, completion_tokens=int(meta["completion_tokens"]),
-                          cached_tokens=int(meta.get("cached_tokens") or 0), latency_s=latency_s,
-                          matched_stop=finish.get("matched") if isinstance(finish, dict) else None)
+            raise RequestAborted(f"request aborted: {finish.get('message', '')}", url=url,
+                                 partial=g)
+        return g
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise BadResponse(f"unexpected /generate shape ({exc!r}): {json.dumps(data)[:300]}",
                           url=url) from exc
+
+
+def _partial_chat(data: dict, latency_s: float) -> Completion | None:
+    """What an aborted chat answer carries: its partial output, with its token ids (the request
+    set return_token_ids); None when it lacks them (nothing to go on from)."""
+    try:
+        choice, usage = data["choices"][0], data["usage"]
+        message = choice.get("message") or {}
+        if choice.get("response_token_ids") is None or choice.get("prompt_token_ids") is None:
+            return None
+        details = usage.get("completion_tokens_details") or {}
+        return Completion(
+            content=message.get("content") or "", reasoning_content=message.get("reasoning_content"),
+            finish_reason="abort", prompt_tokens=int(usage["prompt_tokens"]),
+            completion_tokens=len(choice["response_token_ids"]),
+            reasoning_tokens=int(details.get("reasoning_tokens") or usage.get("reasoning_tokens") or 0),
+            model=data.get("model", ""), latency_s=latency_s,
+            prompt_token_ids=choice["prompt_token_ids"],
+            response_token_ids=choice["response_token_ids"])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+        return None
 
 
 def parse_chat(data: Any, *, latency_s: float, url: str = "") -> Completion:
@@ -307,8 +333,10 @@ def parse_chat(data: Any, *, latency_s: float, url: str = "") -> Completion:
     try:
         choice = choices[0]
         if choice.get("finish_reason") == "abort":
-            # Aborted on the server (/abort_request, a scheduler restart): not an answer.
-            raise RequestAborted("the server aborted the request (finish_reason 'abort')", url=url)
+            # Aborted on the server (/abort_request, a scheduler restart): not an answer, but
+            # what was generated before it, for a generation moved to another GPU.
+            raise RequestAborted("the server aborted the request (finish_reason 'abort')", url=url,
+                                 partial=_partial_chat(data, latency_s))
         message = choice["message"]
         usage = data["usage"]
         details = usage.get("completion_tokens_details") or {}

@@ -66,7 +66,15 @@ class BadResponse(TransientError):
 
 
 class RequestAborted(TransientError):
+    """Aborted on the server (our /abort_request, a scheduler restart). SGLang still answers
+    with what it had generated: `partial` (a client.Completion or client.Generation), when the
+    answer carried it, which lets a generation moved to another GPU go on from there."""
     reason = "aborted"
+
+    def __init__(self, message: str, *, url: str = "", status: int | None = None,
+                 partial: object = None):
+        super().__init__(message, url=url, status=status)
+        self.partial = partial
 
 
 class PermanentError(SGLangError):

@@ -22,7 +22,10 @@ What each failure does (docs/WHEN_THINGS_FAIL.md has the operator's side):
   write is idempotent per prompt id, so a write that succeeded before the reply was lost is not
   counted twice;
 - warm shutdown (shutdown.py): a prompt not sent yet goes back to its queue at once, a request in
-  flight gets `shutdown_grace_s`, then is aborted and its prompt goes back.
+  flight gets `shutdown_grace_s` (0 by default), then is aborted, and what it had generated goes
+  back to pending with the prompt, to be continued on another GPU (`_hand_over`);
+- the end game: a generation on a GPU measurably slower than one with a free slot, once nothing
+  else waits, is aborted here and continued there from its exact tokens (`_hand_over`).
 
 `attempts` counts requests actually sent for the prompt in this round; it travels in the task's
 kwargs (`tries` = failed requests so far), not in Celery's retry count, which also counts the
@@ -30,6 +33,7 @@ hand-backs that sent nothing.
 """
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -43,9 +47,9 @@ from celery.exceptions import Reject, Retry
 from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.core.keys import GENERATE_TASK, queue_for
 from dflash_tasks.core.settings import get_settings
-from dflash_tasks.dispatch import topup
+from dflash_tasks.dispatch import publish, topup
 from dflash_tasks.ledger import bodies
-from dflash_tasks.ledger.messages import decode_messages
+from dflash_tasks.ledger.messages import compress_messages_json, decode_messages
 from dflash_tasks.output.rows import build_row
 from dflash_tasks.output.storage import (
     StorageCorrupt,
@@ -58,10 +62,11 @@ from dflash_tasks.sglang import (
     DeploymentError,
     InvalidRequest,
     PermanentError,
+    RequestAborted,
     SGLangError,
     TransientError,
 )
-from dflash_tasks.sglang.continuation import continue_generation
+from dflash_tasks.sglang.continuation import continue_generation, entry_from_partial
 from dflash_tasks.tasks.app import app
 from dflash_tasks.worker.breaker import TRANSIENT
 from dflash_tasks.worker.runtime import runtime
@@ -179,6 +184,9 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
                                          top_k=params.top_k,
                                          enable_thinking=params.enable_thinking, rid=rid)
     except TransientError as exc:
+        if isinstance(exc, RequestAborted) and exc.partial is not None and \
+                (moved := _hand_over(job, prompt_id, gpu, messages, exc.partial, params)):
+            return moved
         if exc.reason == "timeout":
             client.abort(rid)  # or the server keeps decoding for nobody
         if shutdown.requested():
@@ -268,6 +276,32 @@ def _readable(storage, job: str, reference: bytes) -> bool:
         return True
     except StorageError:
         return False
+
+
+def _hand_over(job: str, prompt_id: str, gpu: str, messages: list[dict], partial,
+               params: GenerationParams) -> dict | None:
+    """A generation aborted here with its partial output, to go on elsewhere from its exact
+    tokens: ordered moved to a faster GPU at the end of the run (take.lua, worker/migration.py),
+    or this worker is stopping (then back to the front of pending, for the job's other GPUs).
+    Its entry becomes the one that continues it, and the prompt moves there (hand_over.lua); the
+    row made there counts each token once and names every GPU that worked on it. None when the
+    abort was neither (it is retried as before)."""
+    book, stopping = runtime().book, runtime().shutdown.requested()
+    target = None if stopping else book.migration_target(job, prompt_id, gpu)
+    if target is None and not stopping:
+        return None
+    entry = entry_from_partial(messages, partial, gpu, params.enable_thinking)
+    tokens = partial.completion_tokens - partial.continued_tokens
+    frame = compress_messages_json(json.dumps(entry, separators=(",", ":")).encode())
+    if not durable("handing the generation over", book.hand_over, job, prompt_id, gpu, target,
+                   frame, tokens):
+        return {"id": prompt_id, "skipped": "no longer in flight here: not handed over"}
+    runtime().settings.failpoint("generate.after_hand_over")
+    if target is not None:
+        publish(app, job, target, [prompt_id])
+    log.info("prompt %s: %d tokens generated on %s, continued on %s", prompt_id, tokens, gpu,
+             target or "another GPU (this worker stops)")
+    return {"id": prompt_id, "moved_to": target or "pending", "tokens": tokens}
 
 
 def _refill(job: str, gpu: str) -> None:

@@ -18,7 +18,7 @@ from dflash_tasks.core.connections import redis_client
 from dflash_tasks.core.settings import Settings, get_settings, redact_url
 from dflash_tasks.ledger import ledger_for
 from dflash_tasks.sglang import SGLangClient
-from dflash_tasks.worker import heartbeat, server_metrics
+from dflash_tasks.worker import heartbeat, migration, server_metrics
 from dflash_tasks.worker.breaker import CircuitBreaker, publisher
 from dflash_tasks.worker.shutdown import Shutdown
 
@@ -121,6 +121,8 @@ class WorkerRuntime:
                          args=(self.book, gpu, registration, s.worker_heartbeat_s, stop,
                                partial(self._taken_over, gpu)),
                          name=f"heartbeat {gpu}", daemon=True).start()
+        threading.Thread(target=migration.run, args=(self.book, gpu, self.shutdown, stop),
+                         name=f"migrations {gpu}", daemon=True).start()
         threading.Thread(target=server_metrics.run,
                          args=(self.r, gpu, SGLangClient(s.sglang_url_for(gpu)),
                                s.server_metrics_interval_s, stop),

@@ -4,8 +4,11 @@ Celery's warm shutdown stops consuming and waits for the tasks that are running.
 
 - a task that has not sent its request yet (waiting on an open breaker, or started after the
   signal) puts its prompt back in its queue at once (`Reject(requeue=True)`);
-- a request in flight gets `shutdown_grace_s` to finish; then it is aborted on the server
-  (`/abort_request` with its rid), the server answers "abort", and the task puts its prompt back;
+- a request in flight gets `shutdown_grace_s` (0 by default) to finish; then it is aborted on
+  the server (`/abort_request` with its rid), the server answers "abort" with what it had
+  generated, and the task hands that over (generate.py): the prompt goes back to pending with its
+  partial output, and another GPU continues it from there; a generation is neither thrown away
+  nor waited for. An abort that carries no partial output puts the prompt back in its queue;
 - prefetched messages and retries waiting for their ETA are unacknowledged: kombu's Redis
   transport restores them to their queue when the worker closes its channel.
 
@@ -50,6 +53,15 @@ class Shutdown:
         finally:
             with self._lock:
                 self._in_flight.pop(token, None)
+
+    def abort_matching(self, prefix: str) -> int:
+        """Abort the requests in flight whose rid starts with `prefix` (a prompt's: a generation
+        moved to another GPU, worker/migration.py); returns how many."""
+        with self._lock:
+            matched = [abort for rid, abort in self._in_flight.values() if rid.startswith(prefix)]
+        for abort in matched:
+            abort()
+        return len(matched)
 
     def begin(self, grace_s: float) -> None:
         """Called once from the worker's shutdown signal (in the main thread: only cheap work)."""

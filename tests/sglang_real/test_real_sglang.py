@@ -98,3 +98,7 @@ def test_context_errors_are_permanent(served_cluster, tmp_path):
 
 def test_regenerate_continue(served_cluster, tmp_path):
     checks.check_regenerate_continue(*served_cluster, tmp_path)
+
+
+def test_abort_and_continue(real_server):
+    checks.check_abort_and_continue(real_server[1])

@@ -1,0 +1,181 @@
+"""The end game at the physical limit (issue 29): once nothing waits, a generation still running
+on a measurably slower GPU is aborted there and continued on a GPU with a free slot, from its
+exact tokens, as one row: its response the partial output followed by the continuation (the
+simulated server, like SGLang at temperature 0, continues a sequence exactly as it would have
+gone on), its counters counting each token once, its metadata naming every GPU that worked on
+it. A warm stop takes the same path, so its long generations are neither thrown away nor waited
+for. Each way a move can break leaves one row: an order that lapses, a hand-over whose prompt
+left meanwhile, a worker killed between the hand-over and its message."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis as redis_lib
+from conftest import write_jsonl
+from failure_support import check_books, counters, prompts
+from support import wait_until
+
+from dflash_tasks.core import jobs
+from dflash_tasks.core.keys import MIGRATIONS, JobKeys
+from dflash_tasks.ledger import Ledger
+from dflash_tasks.ledger.messages import encode_messages
+
+FAST, SLOW = "gpu0@a", "gpu1@a"
+
+
+def _job(r, name: str, n: int) -> Ledger:
+    book = Ledger(r)
+    jobs.save(r, name, jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="x")
+    book.add_prompts(name, [(f"p{i}", encode_messages([{"role": "user", "content": f"q{i}"}]))
+                            for i in range(n)])
+    return book
+
+
+def _take(book: Ledger, job: str, gpu: str, window: int) -> list[str]:
+    return book.take(job, gpu, window, task="dflash_tasks.generate", origin="t", reply_to="")
+
+
+def test_an_idle_fast_gpu_orders_the_last_generation_of_a_slower_one_moved(redis_url):
+    r = redis_lib.Redis.from_url(redis_url)
+    book, k = _job(r, "end", 6), JobKeys("end")
+    assert len(_take(book, "end", SLOW, 6)) == 6          # everything runs on the slow GPU
+    r.delete(SLOW)                                        # its worker took every message
+    r.hset(k.speed, mapping={FAST: 100.0, SLOW: 50.0})
+    r.sadd(k.gpus, FAST)
+    newest = r.zrevrange(k.inflight(SLOW), 0, 0)[0].decode()
+    r.zadd(k.retrying(SLOW), {newest: time.time() + 60})  # a retry waiting is not running
+    assert _take(book, "end", FAST, 2) == []              # nothing to take: an order instead
+    orders = {i.decode(): v.decode() for i, v in r.hgetall(k.migrating).items()}
+    [(ordered, order)] = orders.items()
+    assert ordered != newest and order.startswith(f"{SLOW} {FAST} ")
+    assert r.lrange(MIGRATIONS + SLOW, 0, -1) == [f"end\n{ordered}".encode()]
+    _take(book, "end", FAST, 2)                           # a second free slot, a second order
+    _take(book, "end", FAST, 2)                           # no third: two slots
+    assert r.hlen(k.migrating) == 2
+    assert book.migration_target("end", ordered, SLOW) == FAST
+    assert book.migration_target("end", ordered, FAST) is None
+
+    # The hand-over moves the prompt and its entry once; a second (a duplicate) moves nothing.
+    assert book.hand_over("end", ordered, SLOW, FAST, b"entry", 123)
+    assert r.zscore(k.inflight(FAST), ordered) is not None
+    assert r.zscore(k.inflight(SLOW), ordered) is None and r.hget(k.prompts, ordered) == b"entry"
+    assert not book.hand_over("end", ordered, SLOW, FAST, b"entry", 123)
+    c = counters(type("C", (), {"r": r}), "end")
+    assert (c["migrated"], c["migrated_tokens"]) == (1, 123)
+    # An order whose prompt left the GPU (its row came, it was recalled) lapses at the next take.
+    [other] = [i for i in (v.decode() for v in r.hkeys(k.migrating))]
+    book.recall("end", SLOW, [other])
+    assert not book.hand_over("end", other, SLOW, FAST, b"entry", 5)
+    _take(book, "end", FAST, 4)
+    assert other.encode() not in r.hkeys(k.migrating)
+    # A GPU no faster than the others orders nothing.
+    r.hset(k.speed, FAST, 55.0)
+    r.delete(k.migrating, MIGRATIONS + SLOW)
+    assert _take(book, "end", FAST, 8) == [] and not r.exists(k.migrating)
+
+
+def _reference_ids(url: str, prompt: str, max_tokens: int) -> list[int]:
+    """The response ids of an uninterrupted generation of the prompt."""
+    body = {"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "return_token_ids": True,
+            "chat_template_kwargs": {"enable_thinking": True}, "separate_reasoning": True}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()[
+        "choices"][0]["response_token_ids"]
+
+
+@pytest.mark.timeout(400)
+def test_long_generations_on_a_slow_gpu_finish_on_the_fast_one_as_one_row(cluster, tmp_path):
+    """Two servers, one 4 times slower; generations of 1,500 tokens. Once nothing waits, the
+    fast GPU's free slots take over the slow one's running generations. Each moved row is the
+    one an uninterrupted generation gives (compared id for id with a third server's), counted
+    once, its metadata naming both GPUs and their shares."""
+    c = cluster()
+    sim = ("--slots", "4", "--decode-tps", "600", "--fixed-tokens", "1500")
+    c.start_server(0, *sim)
+    c.start_server(1, *sim, "--slow-factor", "4")
+    c.start_worker(0, "--concurrency", "4")
+    c.start_worker(1, "--concurrency", "4")
+    c.start_beat()
+    rows = prompts(24)
+    c.manage("enqueue", "--dataset", str(write_jsonl(tmp_path / "d.jsonl", rows)), "--job", "tail",
+             "--max-output-tokens", "4096")
+    c.wait_done("tail", timeout=300)
+    done = check_books(c, "tail", {row["id"] for row in rows})
+    moved = [row for row in done if "gpus" in row["metadata"]]
+    assert moved, "no generation was moved"
+    assert counters(c, "tail")["migrated"] >= len(moved)
+    reference = c.start_server(2, *sim)
+    asked = {row["id"]: row["prompt"] for row in rows}
+    for row in moved:
+        meta = row["metadata"]
+        assert [g["gpu"] for g in meta["gpus"]] == [c.gpu(1), c.gpu(0)], meta["gpus"]
+        assert sum(g["tokens"] for g in meta["gpus"]) == meta["completion_tokens"] == 1500
+        assert meta["gpu"] == c.gpu(0) and meta["continued_tokens"] == meta["gpus"][0]["tokens"]
+        assert row["token_ids"]["response"] == \
+            _reference_ids(f"http://127.0.0.1:{reference}", asked[row["id"]], 4096), row["id"]
+    snap = c.status("tail")
+    assert snap["total_output_tokens"] == 1500 * len(rows)   # each token counted once
+
+
+@pytest.mark.timeout(400)
+def test_a_warm_stop_hands_its_generations_over_with_their_tokens(cluster, tmp_path):
+    """The deployed warm stop (DFLASH_SHUTDOWN_GRACE_S 0): the stopping worker aborts its
+    requests at once, and each one's partial output goes back to pending with the prompt; the
+    other GPU continues them. The stop takes seconds, not the generations' minutes."""
+    c = cluster()
+    sim = ("--slots", "8", "--decode-tps", "100", "--fixed-tokens", "3000")
+    c.start_server(0, *sim)
+    c.start_server(1, "--slots", "8", "--decode-tps", "2000", "--fixed-tokens", "3000")
+    stopping = c.start_worker(0, "--concurrency", "8")
+    c.start_beat()
+    rows = prompts(8)
+    c.manage("enqueue", "--dataset", str(write_jsonl(tmp_path / "d.jsonl", rows)), "--job", "stop",
+             "--max-output-tokens", "4096")
+    wait_until(lambda: httpx.get(f"{c.url(0)}/sim/stats", timeout=5).json()["running"] == 8,
+               timeout=60, what="the 8 generations running on GPU 0")
+    time.sleep(2)  # a few hundred tokens each, to be kept
+    c.start_worker(1, "--concurrency", "8")
+    t = time.monotonic()
+    stopping.stop(timeout=60)
+    assert time.monotonic() - t < 20 and stopping.popen.returncode == 0
+    c.wait_done("stop", timeout=240)
+    done = check_books(c, "stop", {row["id"] for row in rows})
+    assert all(row["metadata"]["gpus"][0]["gpu"] == c.gpu(0)
+               and row["metadata"]["gpus"][0]["tokens"] > 50 for row in done), \
+        [row["metadata"].get("gpus") for row in done]
+    assert counters(c, "stop")["migrated"] == 8
+
+
+@pytest.mark.timeout(400)
+def test_a_worker_killed_between_the_hand_over_and_its_message_loses_nothing(cluster, tmp_path):
+    """The slow GPU's worker hands a generation over (hand_over.lua: the prompt is in flight on
+    the fast GPU now), and is killed before it publishes the message there: beat finds the
+    prompt in flight without a message (the deployed grace) and sends it; one row."""
+    c = cluster()
+    sim = ("--slots", "2", "--decode-tps", "800", "--fixed-tokens", "1500")
+    c.start_server(0, *sim)
+    c.start_server(1, *sim, "--slow-factor", "4")
+    c.start_worker(0, "--concurrency", "2")
+    gate = tmp_path / "gate"
+    gate.touch()
+    c.env["DFLASH_FAILPOINTS"] = f"generate.after_hand_over=hold:{gate}"
+    slow = c.start_worker(1, "--concurrency", "2")
+    del c.env["DFLASH_FAILPOINTS"]
+    c.start_beat()
+    rows = prompts(8)
+    # The GPUs' speeds as complete.lua learns them from finished requests, known from the start
+    # here (the first slow request would otherwise end after the fast GPU did everything else).
+    c.r.hset(JobKeys("mid").speed, mapping={c.gpu(0): 800.0, c.gpu(1): 200.0})
+    c.manage("enqueue", "--dataset", str(write_jsonl(tmp_path / "d.jsonl", rows)), "--job", "mid",
+             "--max-output-tokens", "4096")
+    wait_until(lambda: Path(f"{gate}.reached").exists(), timeout=200, what="a hand-over held")
+    slow.kill()
+    c.start_worker(1, "--concurrency", "2")
+    c.wait_done("mid", timeout=240)
+    check_books(c, "mid", {row["id"] for row in rows})
+    assert "dispatching them again" in c.beat.log()
+    assert json.loads(c.manage("status", "--job", "mid", "--json").stdout)["failed"] == 0
