@@ -26,6 +26,18 @@ def sim_stats(url: str) -> dict:
     return httpx.get(f"{url}/sim/stats", timeout=10).json()
 
 
+def sim_hold(*urls: str) -> None:
+    """Hold every answer of these simulated servers (/sim/hold): the run stops where it is, on a
+    fast machine or a slow one, until sim_release."""
+    for url in urls:
+        httpx.post(f"{url}/sim/hold", timeout=10).raise_for_status()
+
+
+def sim_release(*urls: str) -> None:
+    for url in urls:
+        httpx.post(f"{url}/sim/release", timeout=10).raise_for_status()
+
+
 def sim_down(url: str, seconds: float) -> None:
     httpx.post(f"{url}/sim/down", json={"seconds": seconds}, timeout=10).raise_for_status()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 
 from conftest import Cluster, write_jsonl
-from failure_support import check_books
+from failure_support import check_books, sim_hold, sim_release
 from support import python, wait_until
 
 from dflash_dev.local import free_port_run
@@ -22,9 +22,11 @@ PROMPTS = 900
 
 
 def launch(c: Cluster, node: str, gpus: str):
-    """A node's launcher, stopped with the cluster (its SIGTERM stops its workers first)."""
+    """A node's launcher, stopped with the cluster (its SIGTERM stops its workers first), and the
+    URLs of its simulated servers."""
     base = free_port_run(len(gpus.split(",")))
-    return c.spawn(f"node-{node}", python(
+    urls = [f"http://127.0.0.1:{base + int(i)}" for i in gpus.split(",")]
+    return urls, c.spawn(f"node-{node}", python(
         "workers/launch_node.py", "--node", node, "--gpus", gpus, "--simulate",
         "--sim-args", SIM_ARGS, "--max-running-requests", "4", "--base-port", str(base),
         "--log-dir", str(c.logs / f"node-{node}"), "--health-interval", "1"))
@@ -38,8 +40,8 @@ def test_two_nodes_share_a_job_a_third_joins_and_one_leaves(tmp_path, redis_url)
     c = Cluster(tmp_path, redis_url)
     try:
         first = ["gpu0@a", "gpu1@a", "gpu0@b", "gpu1@b"]
-        launch(c, "a", "0,1")
-        node_b = launch(c, "b", "0,1")
+        servers_a, _ = launch(c, "a", "0,1")
+        _, node_b = launch(c, "b", "0,1")
         wait_until(lambda: registered(c, *first), timeout=120, what="nodes a and b to register")
         c.start_beat()
         rows = [{"id": f"n{i:04d}", "prompt": f"Count to {i}."} for i in range(PROMPTS)]
@@ -58,15 +60,19 @@ def test_two_nodes_share_a_job_a_third_joins_and_one_leaves(tmp_path, redis_url)
             return wait_until(check, timeout=180, interval=0.5, what=f"{completed} completions")
 
         busy_until(120)
-        launch(c, "c", "0")  # node c joins the running job: no re-enqueue
+        servers_c, _ = launch(c, "c", "0")  # node c joins the running job: no re-enqueue
         wait_until(lambda: c.status("nodes")["gpus"].get("gpu0@c", {}).get("completed", 0) > 0,
                    timeout=60, what="node c's GPU to complete prompts")
 
         busy_until(300)
+        # The other nodes' servers held (they answer nothing more) while node b leaves, so the
+        # run is mid-way when it does, on a fast machine or a slow one.
+        sim_hold(*servers_a, *servers_c)
         node_b.popen.send_signal(signal.SIGTERM)  # node b leaves: a warm stop
         assert node_b.popen.wait(timeout=120) == 0, node_b.log()[-3000:]
         left = c.status("nodes")
         assert left["pending"] + left["in_flight"] > 0  # work was left to hand over
+        sim_release(*servers_a, *servers_c)
 
         final = c.wait_done("nodes", timeout=300)
         check_books(c, "nodes", {r["id"] for r in rows})

@@ -7,6 +7,7 @@ import json
 from collections import Counter
 
 from conftest import write_jsonl
+from failure_support import sim_hold, sim_release
 from support import wait_until
 
 SIM_ARGS = ("--slots", "40", "--decode-tps", "4000")
@@ -88,8 +89,11 @@ def test_resume_after_everything_is_killed_does_only_the_rest(cluster, tmp_path)
     path, ids = dataset(tmp_path, 1200)
     c.manage("enqueue", "--dataset", str(path), "--job", "resume", "--gpus", "2")
     wait_until(lambda: c.status("resume")["completed"] >= 300, timeout=120, what="300 completions")
+    # Held mid-run (the servers answer nothing more), whatever the machine's speed, then killed.
+    sim_hold(c.url(0), c.url(1))
     for proc in [*c.workers.values(), c.beat]:
         proc.kill()
+    sim_release(c.url(0), c.url(1))
     before = c.status("resume")
     assert 0 < before["completed"] < 1200
 

@@ -393,19 +393,27 @@ def test_a_long_outage_keeps_redis_flat_then_every_row_ships_once(cluster, moto,
     assert c.status("flat")["dispatch_held"] is None
     # The outage goes on for 40 more batches: the stream holds about the rows of a tick or two,
     # however many batches the outage has sealed (without the spool it would hold every one).
-    lengths, memory = [], []
+    lengths, memory, seals = [], [], []
     first = spooled()
 
     def sample():
         lengths.append(c.r.xlen(k.output))
         memory.append(c.r.memory_usage(k.output, samples=0) or 0)
-        return spooled() >= first + 40
+        now = (spooled(), int(c.r.hget(k.counters, "completed") or 0))
+        if not seals or now[0] > seals[-1][0]:
+            seals.append(now)  # (batches spooled, rows completed) each time a batch left
+        return now[0] >= first + 40
     wait_until(sample, timeout=300, interval=0.1, what="forty more batches in the spool")
     last = spooled()
     during = c.status("flat")
     assert during["dispatch_held"] is None and "s3://" in during["storage_error"]["error"]
     assert during["s3_uploaded"] == 0 and during["spooled_batches"] >= last
-    assert max(lengths) <= 0.3 * (last - first) * rows, lengths  # a small share of what went by
+    # The bound, stated against what this run did (a slow machine seals later, and more rows
+    # wait meanwhile): the stream never holds more than the rows that finished between two
+    # batches leaving Redis, and one batch more. Rows the outage kept in Redis would pile up
+    # over forty batches, far beyond it.
+    between = max(b[1] - a[1] for a, b in zip(seals, seals[1:]))
+    assert max(lengths) <= between + rows, (max(lengths), between, lengths)
     spool_dir = blocker / "spool" / "flat"
     assert len(list(spool_dir.glob("batch-*.jsonl.zst"))) >= last
 
@@ -419,8 +427,9 @@ def test_a_long_outage_keeps_redis_flat_then_every_row_ships_once(cluster, moto,
         passed = sum(len(zstandard.ZstdDecompressor().decompress(st.get(b["key"]))) for b in window)
     finally:
         proxy.stop()
-    # The same in bytes: Redis held a small share of what went through it during the outage.
-    assert max(memory) <= 0.3 * passed, (max(memory), passed)
+    # The same in bytes: the stream's memory within those rows' share of what went through it.
+    per_row = passed / ((last - first) * rows)
+    assert max(memory) <= 1.5 * (between + rows) * per_row, (max(memory), between, per_row)
     assert names == sorted(names) and list(spool_dir.glob("*")) == []
     assert all(b["location"].startswith("s3://") and "spool" not in b for b in manifest["batches"])
     final = c.status("flat")

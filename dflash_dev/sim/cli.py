@@ -47,7 +47,7 @@ _POSITIVE = click.FloatRange(min=0.0, min_open=True)
               help="SGLang's --chat-template, as /server_info reports it (the rendering stays Qwen3's).")
 def sim_server(**options) -> None:
     """Serve SGLang 0.5.23's HTTP API from a simulated GPU: fixed decode slots, deterministic
-    output lengths, injectable faults. Control endpoints: /sim/stats, /sim/faults, /sim/down."""
+    output lengths, injectable faults. Control endpoints: /sim/stats, /sim/faults, /sim/down, /sim/hold, /sim/release."""
     try:
         lengths.sigma_for(options["median_tokens"], options["p_over_4096"])
     except ValueError as exc:

@@ -17,7 +17,9 @@ with SGLang's JSON error body, a reset connection (the transport is aborted afte
 or a hang (no byte at all for `hang_seconds`, no slot held, then the connection is dropped).
 `POST /sim/down` closes the listening socket, resets every open connection, forgets every request
 in flight and listens again on the same port after the given seconds, as a crashed and restarted
-server would look to its clients.
+server would look to its clients. `POST /sim/hold` holds every answer (a generation that ends
+waits, unanswered) until `POST /sim/release`: a test acts mid-run at a point it chose, instead of
+racing a run that a fast or a slow machine ends sooner or later.
 
 Decisions where SGLang's own behaviour was not the point:
 - `stream: true` is refused with a 400 (the project only uses non-streaming requests);
@@ -154,6 +156,7 @@ class SimServer:
         self.started_at = time.time()
         self.up_at = self.started_at + config.startup_seconds
         self.down_until = 0.0
+        self.answering: asyncio.Event | None = None  # cleared while /sim/hold holds the answers
         self.port = config.port
         self.max_total_num_tokens = max(config.context_length, config.slots * 8192)
         # the decode slots
@@ -208,6 +211,8 @@ class SimServer:
         r.add_get("/sim/stats", self.sim_stats)
         r.add_post("/sim/faults", self.sim_faults)
         r.add_post("/sim/down", self.sim_down)
+        r.add_post("/sim/hold", self.sim_hold)
+        r.add_post("/sim/release", self.sim_release)
         return app
 
     async def start(self) -> None:
@@ -428,6 +433,8 @@ class SimServer:
             self.errors[exc.kind] += 1
             return _json(exc.body, exc.status)
         outcome = await self._run(gen)
+        if self.answering is not None:
+            await self.answering.wait()  # /sim/hold
         if outcome == "killed":
             self.errors["killed"] += 1
             return self._drop(request)
@@ -776,6 +783,17 @@ class SimServer:
             return _json({"error": str(exc)}, 400)
         self.faults.update(update)
         return _json(self.faults)
+
+    async def sim_hold(self, request: web.Request) -> web.Response:
+        if self.answering is None:
+            self.answering = asyncio.Event()
+        self.answering.clear()
+        return _json({"held": True})
+
+    async def sim_release(self, request: web.Request) -> web.Response:
+        if self.answering is not None:
+            self.answering.set()
+        return _json({"held": False})
 
     async def sim_down(self, request: web.Request) -> web.StreamResponse:
         try:
