@@ -113,3 +113,18 @@ def test_model_info_and_server_info_carry_the_thinking_contract(sim):
         assert not differences(sample, httpx.get(sim + path, timeout=10).json())
     info = httpx.get(sim + "/server_info", timeout=10).json()
     assert {"chat_template", "tokenizer_path", "revision", "reasoning_parser"} <= set(info)
+
+
+def test_server_metrics_are_read_as_the_prometheus_text_format_says():
+    """Issue 30: the captured SGLang 0.5.23 /metrics, and lines the hand-written parser misread:
+    a sample with a timestamp (its value was taken for the timestamp), escaped label values, two
+    ranks of one family (summed), a family the server does not serve (absent, not zero)."""
+    from dflash_tasks.worker.server_metrics import FAMILIES, parse
+
+    captured = parse((SAMPLES / "metrics.txt").read_text())
+    assert set(captured) == set(FAMILIES.values())
+    text = ('# TYPE sglang:num_running_reqs gauge\n'
+            'sglang:num_running_reqs{model_name="qwen \\"3\\"",tp_rank="0"} 7 1764892800000\n'
+            'sglang:num_running_reqs{model_name="qwen \\"3\\"",tp_rank="1"} 5 1764892800000\n'
+            'sglang:num_queue_reqs{model_name="a,b=c"} 2.0\n')
+    assert parse(text) == {"running": 12.0, "queued": 2.0}

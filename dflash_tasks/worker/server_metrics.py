@@ -10,6 +10,7 @@ import logging
 import threading
 
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_tasks.core.keys import SERVERS, queue_for
 from dflash_tasks.sglang import SGLangClient, SGLangError
@@ -25,15 +26,14 @@ FAMILIES = {  # Prometheus family -> our name (SGLang 0.5.23, see tests/sglang_s
 
 
 def parse(text: str) -> dict[str, float]:
-    """The families we read, summed over their label sets (one per TP/DP rank)."""
+    """The families we read, summed over their label sets (one per TP/DP rank), with
+    prometheus_client's parser of the text format (escaped label values, timestamps, exemplars:
+    a sample's value is never its timestamp). A family the server does not serve is absent."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in FAMILIES:
-            key = FAMILIES[name]
-            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if (key := FAMILIES.get(s.name)) is not None:
+                out[key] = out.get(key, 0.0) + float(s.value)
     return out
 
 
@@ -42,6 +42,8 @@ def sample(client: SGLangClient) -> dict:
         return {**parse(client.metrics_text()), "error": None}
     except SGLangError as exc:
         return {"error": str(exc)[:300]}
+    except ValueError as exc:  # not the Prometheus text format
+        return {"error": f"unreadable /metrics: {exc}"[:300]}
 
 
 def sample_once(r: redis.Redis, gpu: str, client: SGLangClient) -> dict:
