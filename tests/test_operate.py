@@ -194,7 +194,7 @@ def test_a_continuation_whose_cap_was_lowered_again_is_generated_anew(cluster, t
 
 
 def test_status_shows_each_servers_own_load_from_its_metrics(cluster, tmp_path):
-    c = cluster(server_metrics_interval_s=0.5)
+    c = cluster()  # the deployed sampling period (2 s)
     start(c, gpus=(0,), sim_args=("--slots", "8", "--decode-tps", "300"))
     path, _ = prompts(tmp_path, 120)
     c.manage("enqueue", "--dataset", str(path), "--job", "load", "--gpus", "1")
@@ -204,3 +204,6 @@ def test_status_shows_each_servers_own_load_from_its_metrics(cluster, tmp_path):
     assert server["error"] is None and server["gen_throughput"] >= 0 and server["age_s"] < 30
     assert "server: 8 running" in c.manage("status", "--job", "load").stdout
     c.manage("cancel", "--job", "load", "--yes")
+    # --watch returns once the job has ended, and says how: cancelled is not success
+    watched = c.manage("status", "--job", "load", "--watch", check=False)
+    assert watched.returncode == 1 and "cancelled" in watched.stdout

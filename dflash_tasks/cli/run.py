@@ -169,7 +169,7 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
     _print_enqueue_summary(r, job, summary, added, params,
                            dispatch.serving_gpus(book, get_settings(), job))
     if follow:
-        _watch(r, name, until_done=True)
+        _watch(r, name)
 
 
 def _final_write(existing: jobs.Job | None, started: bool, params, selection,
@@ -246,7 +246,7 @@ def _status_table(snap: dict, width: int | None = None) -> Table:
     t.add_column("value", overflow="fold")
     done = snap["completed"] + snap["failed"]
     fraction = done / snap["total"] if snap["total"] else 0.0
-    eta = f"{snap['eta_hours']:.2f} h" if snap["eta_hours"] is not None else "-"
+    eta = _duration(snap["eta_hours"])
     figures = f"{done:,}/{snap['total']:,} ({100 * fraction:.1f}%)  eta {eta}"
     label_width = 18  # the longest label, "completed / failed"; 4 more for the cells' padding
     bar = max(5, min(30, width - label_width - 4 - 1 - len(figures)))
@@ -290,34 +290,46 @@ def _status_table(snap: dict, width: int | None = None) -> Table:
                        f"{(', %d waiting to retry' % g['retry_waiting']) if g.get('retry_waiting') else ''}, "
                        f"{g.get('output_tokens_per_sec', 0):,.0f} tok/s, {g.get('retries', 0)} retries")
         server = g.get("server")
-        if server and not server.get("error"):
-            t.add_row("", f"server: {server.get('running', 0):.0f} running, "
-                          f"{server.get('queued', 0):.0f} queued, "
-                          f"{server.get('gen_throughput', 0):,.0f} tok/s")
+        if server and not server.get("error"):  # a family the server does not serve counts 0
+            t.add_row("", f"server: {server.get('running') or 0:.0f} running, "
+                          f"{server.get('queued') or 0:.0f} queued, "
+                          f"{server.get('gen_throughput') or 0:,.0f} tok/s "
+                          f"({server.get('age_s') or 0:.0f} s ago)")
     return t
 
 
-def _watch(r, name: str, until_done: bool) -> None:
-    from dflash_tasks.output.progress import is_finished
+def _duration(hours: float | None) -> str:
+    """An ETA as an operator reads it: hours from one hour up, else minutes, else seconds."""
+    if hours is None:
+        return "-"
+    if hours >= 1:
+        return f"{hours:.2f} h"
+    return f"{hours * 60:.0f} min" if hours * 60 >= 1 else f"{hours * 3600:.0f} s"
 
+
+def _watch(r, name: str) -> str:
+    """The status panel, refreshed every second until the job is done or cancelled; returns
+    that state."""
     with Live(_status_table(_snapshot(r, name)), console=console, refresh_per_second=1) as live:
         while True:
             snap = _snapshot(r, name)
             live.update(_status_table(snap))
-            if until_done and (is_finished(snap) or snap["status"] in ("done", "cancelled")):
-                return
+            if snap["status"] in ("done", "cancelled"):
+                return snap["status"]
             time.sleep(1.0)
 
 
 @click.command()
 @click.option("--job", "name", required=True)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable, progress.json's names.")
-@click.option("--watch", is_flag=True, help="Refresh every second until interrupted.")
+@click.option("--watch", is_flag=True,
+              help="Refresh every second until the job is done (exit 0) or cancelled (exit 1).")
 def status(name: str, as_json: bool, watch: bool) -> None:
     """A job's counters, rate and ETA."""
     r = redis_or_fail()
     if watch:
-        _watch(r, name, until_done=False)
+        if _watch(r, name) == "cancelled":
+            raise SystemExit(1)
     elif as_json:
         click.echo(json.dumps(_snapshot(r, name), indent=1))
     else:

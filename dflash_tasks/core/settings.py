@@ -122,7 +122,7 @@ class Settings(BaseSettings):
     batch_max_age_s: float = 300.0
 
     # Each GPU worker samples its server's /metrics this often (status, progress.json).
-    server_metrics_interval_s: float = 10.0
+    server_metrics_interval_s: float = 2.0
 
     progress_interval_s: float = Field(5.0, description="beat period of progress.json and batches")
     rate_window_s: float = 300.0
