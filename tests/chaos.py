@@ -546,7 +546,9 @@ class Sequence:
 
     def do_retry_failed(self, step: Step, u: list[float]) -> None:
         failing = [j for j in self.live(RUNNING, PAUSED) if j.bad_cap_ever]
-        self._simple(step, u, "retry-failed", failing or self.live(RUNNING, PAUSED), [])
+        # the bad cap's failures are the prompts' own (too long for it): asked for by name
+        self._simple(step, u, "retry-failed", failing or self.live(RUNNING, PAUSED),
+                     ["--include-permanent"])
 
     def _simple(self, step: Step, u: list[float], cmd: str, preferred: list[JobModel],
                 extra: list[str], may_refuse: str | None = None) -> JobModel | None:
@@ -1104,7 +1106,8 @@ class Sequence:
                 job.cap = 1024
                 job.caps.append(1024)
                 self.wait_all_done([job], "before retry-failed")
-                self.command(step, job, "retry-failed", ["retry-failed", "--job", job.name])
+                self.command(step, job, "retry-failed", ["retry-failed", "--job", job.name,
+                                                         "--include-permanent"])
         self.wait_all_done(self.live(), "finish all")
         generated = 0
         for job in self.live():

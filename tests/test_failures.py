@@ -338,10 +338,16 @@ def test_permanent_failures_are_registered_at_once_and_retry_failed_is_idempoten
     c.manage("set", "--job", "perm", "--max-output-tokens", "2048")
     assert c.status("perm")["status"] == "done"
     assert "is done" in c.manage("pause", "--job", "perm", check=False).stderr
-    dry = json.loads(c.manage("retry-failed", "--job", "perm", "--dry-run", "--json").stdout)
+    # By default the prompts' own permanent failures stay: unchanged they would fail again.
+    plain = c.manage("retry-failed", "--job", "perm").stdout
+    assert "re-queued 0 prompts" in plain and "skipped 6 permanent failures" in plain \
+        and "--include-permanent" in plain, plain
+    assert failed_registry(c, "perm").keys() == bad
+    force = ("--include-permanent", "--json")
+    dry = json.loads(c.manage("retry-failed", "--job", "perm", "--dry-run", *force).stdout)
     assert dry["requeued"] == len(bad) and failed_registry(c, "perm").keys() == bad
-    first = json.loads(c.manage("retry-failed", "--job", "perm", "--json").stdout)
-    second = json.loads(c.manage("retry-failed", "--job", "perm", "--json").stdout)
+    first = json.loads(c.manage("retry-failed", "--job", "perm", *force).stdout)
+    second = json.loads(c.manage("retry-failed", "--job", "perm", *force).stdout)
     assert first["requeued"] == len(bad) and first["by_reason"] == {"invalid_request": len(bad)}
     assert second["requeued"] == 0
     assert first["status"] == "running"  # a done job with work again runs
@@ -360,10 +366,18 @@ def test_permanent_failures_are_registered_at_once_and_retry_failed_is_idempoten
     assert all(registry[pid]["attempts"] == 1 and failures[pid] == 2 for pid in again)
     assert counters(c, "perm")["requeued"] == len(bad)
 
-    only_gpu1 = json.loads(c.manage("retry-failed", "--job", "perm", "--gpu", c.gpu(1), "--json").stdout)
+    only_gpu0 = json.loads(c.manage("retry-failed", "--job", "perm", "--gpu", c.gpu(0), "--json").stdout)
     only_transient = json.loads(c.manage("retry-failed", "--job", "perm", "--reason", "transient",
                                          "--json").stdout)
-    assert only_gpu1["requeued"] == only_transient["requeued"] == 0
+    assert only_gpu0["requeued"] == only_transient["requeued"] == 0
+    assert only_gpu0["skipped_permanent"] == {"invalid_request": len(again)}
+    # A GPU or a reason that can match nothing is a typo: refused, with the choices.
+    for option, value, says in (("--gpu", c.gpu(1), f"is not a GPU job perm ran on; its GPUs: {c.gpu(0)}"),
+                                ("--gpu", "gpu0", "is not a GPU name"),
+                                ("--reason", "timout", "is not a failure reason: one of")):
+        refused = c.manage("retry-failed", "--job", "perm", option, value, check=False)
+        assert refused.returncode == 2 and says in refused.stderr and "Traceback" not in refused.stderr, \
+            refused.stderr
     assert port  # the server stayed up throughout
 
 

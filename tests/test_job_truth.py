@@ -233,7 +233,7 @@ def test_beat_held_before_done_while_retry_failed_lands(tmp_path, cluster):
     wait_until(lambda: Path(f"{gate}.reached").exists(), timeout=120, what="beat held before done")
     assert c.status("held")["failed"] == 6
     c.manage("set", "--job", "held", "--max-output-tokens", "256")
-    c.manage("retry-failed", "--job", "held")
+    c.manage("retry-failed", "--job", "held", "--include-permanent")
     gate.unlink()
     snap = c.wait_done("held", timeout=180)
     assert snap["completed"] == 6 and snap["failed"] == 0

@@ -24,7 +24,6 @@ from s3support import (
 from support import python, wait_until
 from test_pipeline import dataset, start
 
-
 # -- S3Storage on its own ------------------------------------------------------------------------
 
 def test_s3_storage_checksums_multipart_and_clear_errors(moto):

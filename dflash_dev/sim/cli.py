@@ -22,7 +22,8 @@ _POSITIVE = click.FloatRange(min=0.0, min_open=True)
 @click.option("--prefill-tps", type=_POSITIVE, default=200000.0, show_default=True,
               help="Prompt tokens per second of prefill.")
 @click.option("--model-name", default="Qwen/Qwen3-8B", show_default=True, help="The served model name.")
-@click.option("--context-length", type=click.IntRange(min=2), default=40960, show_default=True)
+@click.option("--context-length", type=click.IntRange(min=2), default=40960, show_default=True,
+              help="The model's context: a prompt plus max_tokens beyond it is refused (400).")
 @click.option("--median-tokens", type=_POSITIVE, default=1800.0, show_default=True,
               help="Median natural output length.")
 @click.option("--p-over-4096", type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True), default=0.18,
@@ -37,7 +38,8 @@ _POSITIVE = click.FloatRange(min=0.0, min_open=True)
               help="Probability a generation request's connection is reset without a response.")
 @click.option("--hang-rate", type=_PROBABILITY, default=0.0, show_default=True,
               help="Probability a generation request gets no answer for --hang-seconds.")
-@click.option("--hang-seconds", type=click.FloatRange(min=0.0), default=3600.0, show_default=True)
+@click.option("--hang-seconds", type=click.FloatRange(min=0.0), default=3600.0, show_default=True,
+              help="How long a hung request stays unanswered.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the fault draws.")
 @click.option("--slow-factor", type=_POSITIVE, default=1.0, show_default=True,
               help="Multiplies every service time (a slower GPU).")

@@ -39,6 +39,17 @@ class LazyGroup(click.Group):
     def list_commands(self, ctx):
         return sorted(COMMANDS)
 
+    def resolve_command(self, ctx, args):
+        """An unknown command names the nearest ones (`stauts`: did you mean status?)."""
+        if args and args[0] not in COMMANDS and not args[0].startswith("-"):
+            import difflib
+
+            near = difflib.get_close_matches(args[0], COMMANDS, n=3, cutoff=0.6)
+            hint = f" Did you mean {' or '.join(near)}?" if near else ""
+            raise click.UsageError(f"No such command {args[0]!r}.{hint} (manage.py --help lists "
+                                   "them)", ctx)
+        return super().resolve_command(ctx, args)
+
     def get_command(self, ctx, name):
         if name not in COMMANDS:
             return None
@@ -55,7 +66,16 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup,
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 def cli() -> None:
-    """dflash-tasks: generate DFlash drafter training data with SGLang servers and Celery."""
+    """dflash-tasks: generate DFlash drafter training data with SGLang servers and Celery.
+
+    \b
+    Every command reads its settings from DFLASH_* variables. DFLASH_REDIS_URL points at the
+    Redis that holds the jobs (default redis://127.0.0.1:6379/0: whatever Redis runs there);
+    DFLASH_OUTPUT_DIR or DFLASH_S3_URI is where a new job's batches go.
+    The pieces start in this order: Redis, the SGLang servers, one `worker --gpu I` per GPU
+    (workers/launch_node.py starts a node's), `beat` (seals and ships batches), then
+    `enqueue`. `make local` starts them all on this machine (README).
+    """
 
 
 def main() -> None:

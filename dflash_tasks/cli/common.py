@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import click
@@ -35,24 +36,73 @@ class FiniteFloatRange(click.FloatRange):
 
 
 def _top_k(ctx, param, value):
+    value = _given(ctx, param, value)
     if value is not None and (value == 0 or value < -1):
         raise click.BadParameter(f"{value} is not a valid top-k: -1 (off) or at least 1")
     return value
 
 
-def generation_options(f):
-    """--max-output-tokens, --temperature, --top-p and --top-k with their bounds (help shows them)."""
-    for option in reversed([
-        click.option("--max-output-tokens", type=click.IntRange(min=1, max=MAX_OUTPUT_TOKENS),
-                     help=f"Cap on generated tokens, 1 to {MAX_OUTPUT_TOKENS:,} [8192]."),
-        click.option("--temperature", type=FiniteFloatRange(min=0, max=MAX_TEMPERATURE),
-                     help=f"Sampling temperature, 0 to {MAX_TEMPERATURE:g} [0.6]."),
-        click.option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True),
-                     help="Nucleus sampling, over 0 up to 1 [0.95]."),
-        click.option("--top-k", type=int, callback=_top_k, help="-1 (off) or at least 1 [20]."),
-    ]):
-        f = option(f)
-    return f
+def _given(ctx, param, value):
+    """None unless given on the command line: help shows a new job's default, and a resumed
+    job keeps its own value of what is not given."""
+    from click.core import ParameterSource
+
+    return None if ctx.get_parameter_source(param.name) is ParameterSource.DEFAULT else value
+
+
+def generation_options(shown_defaults: bool):
+    """--max-output-tokens, --temperature, --top-p and --top-k with their bounds. A new job's
+    defaults are shown as click shows any default; `set` (shown_defaults False) keeps the job's
+    current value of what it is not given, so it shows none. Each option's value is None when it
+    is not given (_given)."""
+    from dflash_tasks.core.jobs import GenerationParams
+
+    new = GenerationParams()
+
+    def shown(value):
+        return {"default": value, "show_default": True} if shown_defaults else {}
+
+    def decorate(f):
+        for option in reversed([
+            click.option("--max-output-tokens", type=click.IntRange(min=1, max=MAX_OUTPUT_TOKENS),
+                         callback=_given, help="Cap on generated tokens.", **shown(new.max_tokens)),
+            click.option("--temperature", type=FiniteFloatRange(min=0, max=MAX_TEMPERATURE),
+                         callback=_given, help="Sampling temperature.", **shown(new.temperature)),
+            click.option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True),
+                         callback=_given, help="Nucleus sampling.", **shown(new.top_p)),
+            click.option("--top-k", type=int, callback=_top_k,
+                         help="Top-k sampling: -1 (off) or at least 1.", **shown(new.top_k)),
+            click.option("--thinking/--no-thinking", callback=_given, help="Qwen3's thinking mode.",
+                         **(shown(new.enable_thinking) if shown_defaults else {"default": None})),
+        ]):
+            f = option(f)
+        return f
+    return decorate
+
+
+def file_to_write(suffix: str):
+    """A click callback for an option naming a file the command writes (`suffix`, e.g. ".png"):
+    checked before any work, so a typo in the path costs nothing and leaves nothing behind."""
+
+    def check(ctx, param, value):
+        if value is None:
+            return None
+        path = Path(value).expanduser()
+        if path.suffix.lower() != suffix:
+            raise click.BadParameter(f"{value}: the file is written as {suffix}; name it *{suffix}")
+        if path.is_dir():
+            raise click.BadParameter(f"{value} is a directory; name a file in it")
+        folder = path.parent.resolve()
+        if not folder.is_dir():
+            raise click.BadParameter(f"{value}: the directory {folder} does not exist")
+        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise click.BadParameter(f"{value}: not writable by this user")
+        return path
+    return check
+
+
+job_option = click.option("--job", "name", required=True, metavar="NAME",
+                          help="The job (manage.py jobs lists them).")
 
 
 def redis_or_fail() -> redis.Redis:
@@ -133,13 +183,31 @@ def rule_options(f):
     return f
 
 
-def job_storage_from(source: str | None, name: str):
-    """The job's shipped batches: at --from, else the deployment's storage."""
-    from dflash_tasks.output.storage import storage_at, storage_for
-    from dflash_tasks.training.data.reader import job_storage
+def output_storage(source: str | None, name: str, r: redis.Redis | None = None):
+    """Where the job's batches are: --from when given; else the location the job keeps, from
+    any directory (when Redis answers: `r`, or the deployment's); else, for a reader without
+    Redis (a trainer's machine), the deployment's storage."""
+    from dflash_tasks.core.connections import redis_client
+    from dflash_tasks.output.storage import job_output, storage_at, storage_for
 
     s = get_settings()
-    return job_storage(storage_at(source, s) if source else storage_for(s), name)
+    if source:
+        return storage_at(source, s)
+    if r is None:
+        try:
+            r = redis_client()
+            r.ping()
+        except redis.exceptions.RedisError:
+            return storage_for(s)
+    job = jobs.load(r, name)
+    return job_output(job, s) if job is not None else storage_for(s)
+
+
+def job_storage_from(source: str | None, name: str):
+    """The job's shipped batches (output_storage), read through the job's manifest."""
+    from dflash_tasks.training.data.reader import job_storage
+
+    return job_storage(output_storage(source, name), name)
 
 
 def chat_template_option(path: Path | None):

@@ -13,10 +13,10 @@ from dflash_tasks.cli.common import (
     console,
     err_console,
     job_storage_from,
+    output_storage,
     rule_options,
     shipped_progress,
 )
-from dflash_tasks.core.settings import get_settings
 
 
 def training_options(f):
@@ -39,7 +39,7 @@ def training_options(f):
 @click.option("--to", "dest", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Destination directory (created; batches already there and intact are kept).")
 @click.option("--from", "source", metavar="S3_URI_OR_DIR",
-              help="Where the batches are [DFLASH_S3_URI, else DFLASH_OUTPUT_DIR].")
+              help="Where the batches are.", show_default="the location the job keeps")
 @click.option("--allow-partial", is_flag=True,
               help="Succeed even when fewer rows are shipped than the job has completed.")
 @training_options
@@ -56,19 +56,18 @@ def export(name: str, dest: Path, source: str | None, allow_partial: bool, **tra
     from dflash_tasks.output.batches import ChecksumMismatch
     from dflash_tasks.output.export import ExportError, expected_completed
     from dflash_tasks.output.export import export as run_export
-    from dflash_tasks.output.storage import StorageError, storage_at, storage_for
+    from dflash_tasks.output.storage import StorageError
 
     try:
         check_job_name(name)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--job") from None
-    s = get_settings()
-    storage = storage_at(source, s) if source else storage_for(s)
     r = redis_client()
     try:
         r.ping()
     except redis.exceptions.RedisError:
         r = None  # the training side may have no Redis: progress.json says how many completed
+    storage = output_storage(source, name, r)
     try:
         expected, where, status = expected_completed(storage, name, r)
         if expected is None:

@@ -12,13 +12,13 @@ from dflash_tasks.cli.common import (
     allowed_or_fail,
     console,
     err_console,
+    job_option,
     job_or_fail,
     redis_or_fail,
 )
 
 _REASON_HELP = ("A reason (invalid_request, model_not_found, empty_response, internal_error, "
-                "unavailable, timeout, bad_response, aborted) or a class (transient, permanent). "
-                "[all]")
+                "unavailable, timeout, bad_response, aborted) or a class (transient, permanent).")
 
 
 ERROR_CHARS = 1000  # of one error in the listing; --json gives every error whole
@@ -54,7 +54,7 @@ def _when(ts) -> str:
 
 
 @click.command()
-@click.option("--job", "name", required=True)
+@job_option
 @click.option("--json", "as_json", is_flag=True, help="Everything, machine-readable.")
 @click.option("--limit", type=click.IntRange(min=0), default=10, show_default=True,
               help="Prompts listed per reason (the JSON lists all).")
@@ -85,19 +85,48 @@ def failed(name: str, as_json: bool, limit: int) -> None:
                  if state == "open" else f" (opened {b.get('times_opened', 0)} times)")
         console.print(f"{gpu} circuit breaker: [{style}]{state}[/]{extra}")
     if data["failed"]:
+        permanent = data["by_class"].get("permanent", 0)
         console.print(f"Put them back with: manage.py retry-failed --job {name} "
-                      "[--reason REASON] [--gpu GPU]")
+                      "[--reason REASON] [--gpu GPU]"
+                      + (f" (add --include-permanent for the {permanent:,} permanent ones, once "
+                         "what failed them is mended)" if permanent else ""))
+
+
+def _check_reason_and_gpu(r, name: str, reason: str | None, gpu: str | None) -> None:
+    """A --reason or --gpu that can match nothing is a typo: refused with the choices."""
+    from dflash_tasks import dispatch
+    from dflash_tasks.core.keys import parse_gpu
+    from dflash_tasks.dispatch.failures import CLASSES
+    from dflash_tasks.sglang import REASONS
+
+    if reason is not None and reason not in (*REASONS, *CLASSES):
+        raise click.BadParameter(f"{reason!r} is not a failure reason: one of "
+                                 f"{', '.join((*REASONS, *CLASSES))}", param_hint="--reason")
+    if gpu is not None:
+        ran_on = dispatch.dispatched_gpus(r, name)
+        if parse_gpu(gpu) is None or gpu not in ran_on:
+            what = "is not a GPU name (gpuI@node)" if parse_gpu(gpu) is None else \
+                f"is not a GPU job {name} ran on"
+            raise click.BadParameter(f"{gpu!r} {what}; its GPUs: {', '.join(ran_on) or 'none yet'}",
+                                     param_hint="--gpu")
 
 
 @click.command("retry-failed")
-@click.option("--job", "name", required=True)
-@click.option("--reason", help=_REASON_HELP)
-@click.option("--gpu", metavar="GPU", help="Only prompts that failed on this GPU (gpu0@node-a). [all]")
+@job_option
+@click.option("--reason", help=_REASON_HELP, show_default="all")
+@click.option("--gpu", metavar="GPU", help="Only prompts that failed on this GPU (gpu0@node-a).",
+              show_default="all")
+@click.option("--include-permanent", is_flag=True,
+              help="Also the prompts' own permanent failures (too long for the context, "
+                   "malformed), skipped otherwise: unchanged they fail the same way. A --reason "
+                   "that names them includes them too.")
 @click.option("--dry-run", is_flag=True, help="Only say what would be re-queued.")
 @click.option("--json", "as_json", is_flag=True, help="The report, machine-readable.")
-def retry_failed(name: str, reason: str | None, gpu: str | None, dry_run: bool, as_json: bool) -> None:
-    """Dispatch failed prompts again. Each leaves the registry in the same atomic step that puts
-    it back in the job's dispatch list, so running this twice never sends a prompt twice."""
+def retry_failed(name: str, reason: str | None, gpu: str | None, include_permanent: bool,
+                 dry_run: bool, as_json: bool) -> None:
+    """Dispatch failed prompts again: by default those that can succeed now (a timeout, a server
+    that was down). Each leaves the registry in the same atomic step that puts it back in the
+    job's dispatch list, so running this twice never sends a prompt twice."""
     from dflash_tasks.core.settings import get_settings
     from dflash_tasks.dispatch.failures import retry_failed as run
     from dflash_tasks.ledger import shared_ledger
@@ -106,13 +135,21 @@ def retry_failed(name: str, reason: str | None, gpu: str | None, dry_run: bool, 
     r = redis_or_fail()
     job = job_or_fail(r, name)
     allowed_or_fail("retry-failed", job)
-    report = run(app, shared_ledger(), get_settings(), name, reason=reason, gpu=gpu, dry_run=dry_run)
+    _check_reason_and_gpu(r, name, reason, gpu)
+    report = run(app, shared_ledger(), get_settings(), name, reason=reason, gpu=gpu,
+                 dry_run=dry_run, include_permanent=include_permanent)
     if as_json:
         click.echo(json.dumps({"job": name, "dry_run": dry_run, **report.as_dict()}))
         return
     verb = "would re-queue" if dry_run else "re-queued"
     detail = ", ".join(f"{k} {v:,}" for k, v in sorted(report.by_reason.items()))
     console.print(f"job {name}: {verb} {report.requeued:,} prompts" + (f" ({detail})" if detail else ""))
+    if report.skipped_permanent:
+        skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(report.skipped_permanent.items()))
+        console.print(f"skipped {sum(report.skipped_permanent.values()):,} permanent failures of "
+                      f"the prompts themselves ({skipped}): sent again unchanged they fail the "
+                      "same way. After a change that mends them (`set --max-output-tokens` lower "
+                      "for prompts too long for the context), add --include-permanent")
     if report.missing:
         err_console.print(f"[yellow]{report.missing:,} left in the registry: their prompt text is "
                           "no longer stored (enqueue the dataset again to restore it)[/]")

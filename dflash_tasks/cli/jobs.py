@@ -11,29 +11,46 @@ from dflash_tasks.cli.common import (
     changed_meanwhile,
     console,
     generation_options,
+    job_option,
     job_or_fail,
     redis_or_fail,
 )
 from dflash_tasks.core import jobs, lifecycle
+from dflash_tasks.core.settings import get_settings
 
 
 @click.command("jobs")
-def list_jobs() -> None:
-    """Every job with its status and progress."""
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable: a list of jobs.")
+def list_jobs(as_json: bool) -> None:
+    """Every job with its status, progress and where its batches go."""
+    import json
+
     from dflash_tasks.ledger import shared_ledger
 
     r = redis_or_fail()
-    table = Table("job", "status", "done", "total", "failed", "max_tokens", "gpus")
+    listed = []
     for name in jobs.names(r):
         job = jobs.load(r, name)
+        if job is None:  # deleted since it was listed
+            continue
         c = shared_ledger().counters(name)
-        table.add_row(name, job.status, f"{c.get('completed', 0):,}", f"{c.get('total', 0):,}",
-                      f"{c.get('failed', 0):,}", str(job.params.max_tokens), job.selection.describe())
+        listed.append({"job": name, "status": job.status, "completed": c.get("completed", 0),
+                       "total": c.get("total", 0), "failed": c.get("failed", 0),
+                       "max_tokens": job.params.max_tokens, "gpus": job.selection.describe(),
+                       "output": job.output or get_settings().output_location()})
+    if as_json:
+        click.echo(json.dumps(listed, indent=1))
+        return
+    table = Table("job", "status", "done", "total", "failed", "max_tokens", "gpus")
+    table.add_column("output", overflow="fold")  # a path is read whole, not cut
+    for j in listed:
+        table.add_row(j["job"], j["status"], f"{j['completed']:,}", f"{j['total']:,}",
+                      f"{j['failed']:,}", str(j["max_tokens"]), j["gpus"], j["output"])
     console.print(table)
 
 
 @click.command()
-@click.option("--job", "name", required=True)
+@job_option
 def pause(name: str) -> None:
     """Stop dispatching the job's prompts; requests in flight finish and are kept."""
     r = redis_or_fail()
@@ -42,11 +59,10 @@ def pause(name: str) -> None:
 
 
 @click.command()
-@click.option("--job", "name", required=True)
+@job_option
 def resume(name: str) -> None:
     """Dispatch the job's prompts again."""
     from dflash_tasks import dispatch
-    from dflash_tasks.core.settings import get_settings
     from dflash_tasks.ledger import shared_ledger
     from dflash_tasks.tasks.app import app
 
@@ -60,7 +76,7 @@ def resume(name: str) -> None:
 
 
 @click.command()
-@click.option("--job", "name", required=True)
+@job_option
 @click.confirmation_option(prompt="Cancel this job? Nothing more is dispatched (resume can finish it later)")
 def cancel(name: str) -> None:
     """Stop dispatching the job for good; rows already made are kept, and the prompts never
@@ -76,14 +92,12 @@ def cancel(name: str) -> None:
 
 
 @click.command("set")
-@click.option("--job", "name", required=True)
-@generation_options
-@click.option("--thinking/--no-thinking", default=None)
+@job_option
+@generation_options(shown_defaults=False)
 def set_params(name: str, max_output_tokens, temperature, top_p, top_k, thinking) -> None:
     """Change the job's generation parameters for every prompt not yet sent to a server,
-    without stopping workers or servers."""
+    without stopping workers or servers. What is not given keeps the job's current value."""
     from dflash_tasks.core.lifecycle import TRANSITIONS
-    from dflash_tasks.core.settings import get_settings
     from dflash_tasks.ledger import shared_ledger
 
     r = redis_or_fail()
@@ -110,13 +124,12 @@ def set_params(name: str, max_output_tokens, temperature, top_p, top_k, thinking
 
 
 @click.command()
-@click.option("--job", "name", required=True)
+@job_option
 @click.confirmation_option(prompt="Remove this job and all its prompts from Redis?")
 def delete(name: str) -> None:
     """Remove a job (not running) and every Redis key it has, and its prompt bodies kept on
     storage (`enqueue --bodies storage`); batches already shipped stay in the output directory
     or bucket."""
-    from dflash_tasks.core.settings import get_settings
     from dflash_tasks.ledger.bodies import remove_chunks
     from dflash_tasks.output.spool import Spool
     from dflash_tasks.output.storage import StorageError, storage_at

@@ -41,14 +41,17 @@ class _OneRole(click.Command):
 @click.command(cls=_OneRole)
 @click.option("--gpu", type=click.IntRange(min=0),
               help="This node's GPU I: consumes the queue gpuI@NODE (the GPU's name).")
-@click.option("--node", help="This node's name, unique in the deployment [DFLASH_NODE, else the host's "
-                             "short name].")
+@click.option("--node", help="This node's name, unique in the deployment.",
+              show_default="DFLASH_NODE, else the host's short name")
 @click.option("--queue", type=click.Choice([TRAIN_QUEUE]),
               help="train: the training worker (one run at a time; manage.py train queues runs).")
-@click.option("--sglang-url", help="This GPU's SGLang server [http://127.0.0.1:{30000+I}].")
+@click.option("--sglang-url", help="This GPU's SGLang server.",
+              show_default="http://127.0.0.1:{30000+I}")
 @click.option("--concurrency", type=click.IntRange(min=1),
-              help="Requests in flight [the server's max_running_requests plus a margin].")
-@click.option("--loglevel", default="INFO", show_default=True)
+              help="Requests in flight.",
+              show_default="the server's max_running_requests plus a margin")
+@click.option("--loglevel", default="INFO", show_default=True,
+              help="Celery's log level: DEBUG, INFO, WARNING, ERROR.")
 def worker(gpu: int | None, node: str | None, queue: str | None, sglang_url: str | None,
            concurrency: int | None, loglevel: str) -> None:
     """A Celery worker pinned to one GPU's queue and server (--gpu), or the training worker
@@ -95,7 +98,8 @@ def worker(gpu: int | None, node: str | None, queue: str | None, sglang_url: str
 
 
 @click.command()
-@click.option("--loglevel", default="INFO", show_default=True)
+@click.option("--loglevel", default="INFO", show_default=True,
+              help="Celery's log level: DEBUG, INFO, WARNING, ERROR.")
 def beat(loglevel: str) -> None:
     """Celery beat with a small worker for its `control` queue (progress.json, batches, refills).
     Run one per deployment; a second one by mistake corrupts nothing (locks, idempotent ticks)."""
@@ -112,8 +116,10 @@ def beat_args(loglevel: str = "INFO") -> list[str]:
 
 
 @click.command()
-@click.option("--port", type=int, default=5555, show_default=True)
-@click.option("--address", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=5555, show_default=True,
+              help="The port the UI listens on.")
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="The address the UI listens on (0.0.0.0: every interface).")
 @click.option("--no-auth", is_flag=True, help="Serve without authentication (a trusted network only).")
 def flower(port: int, address: str, no_auth: bool) -> None:
     """Flower, the Celery web UI, against the broker, with basic auth from

@@ -15,7 +15,7 @@ from typing import Callable
 
 import click
 
-from dflash_tasks.cli.common import allowed_or_fail, console, job_or_fail, redis_or_fail
+from dflash_tasks.cli.common import allowed_or_fail, console, job_option, job_or_fail, redis_or_fail
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.ledger.messages import compress_messages_json
 
@@ -69,9 +69,31 @@ class Tally:
                 self.saved += kept
 
 
+# What SGLang says of a finished request; a job's counters may hold others (its `finish:*`).
+FINISH_REASONS = ("length", "stop")
+
+
+def _check_finish_reason(counters: dict, reason: str) -> None:
+    """A reason no row can have is a typo (`lenght` would queue nothing and exit 0): refused
+    with the reasons this job's rows have, and the nearest one."""
+    import difflib
+
+    seen = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("finish:")}
+    known = sorted(set(FINISH_REASONS) | set(seen))
+    if reason in known:
+        return
+    near = difflib.get_close_matches(reason, known, n=1)
+    rows = ", ".join(f"{k} {seen.get(k, 0):,}" for k in known)
+    raise click.BadParameter(f"{reason!r} is not a finish reason"
+                             + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + f"; this job's rows ended: {rows}", param_hint="--finish-reason")
+
+
 @click.command()
-@click.option("--job", "name", required=True)
-@click.option("--finish-reason", required=True, help="Rows that ended this way: length, stop, abort...")
+@job_option
+@click.option("--finish-reason", required=True,
+              help="Rows that ended this way: length (cut by max_tokens), stop, or another reason "
+                   "the job's rows have (status lists them).")
 @click.option("--continue", "continue_output", is_flag=True,
               help="Continue truncated outputs from their token ids (SGLang /generate) instead of "
                    "starting over: only the missing tokens are generated.")
@@ -84,7 +106,7 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
     from dflash_tasks.ledger import shared_ledger
     from dflash_tasks.output.batches import BadManifest, RowNotFound
     from dflash_tasks.output.spool import Spool
-    from dflash_tasks.output.storage import StorageError, storage_for
+    from dflash_tasks.output.storage import StorageError, job_output
     from dflash_tasks.tasks.app import app
 
     r = redis_or_fail()
@@ -92,10 +114,11 @@ def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int 
     allowed_or_fail("regenerate", job)
     s = get_settings()
     book = shared_ledger()
-    storage = storage_for(s)
+    storage = job_output(job, s)
     # Batches wait in beat's spool while S3 is out (a directory storage has none).
     spool = Spool(s.spool_path()) if getattr(storage, "is_remote", False) else None
     cap = job.params.max_tokens
+    _check_finish_reason(book.counters(name), finish_reason)
     indexed, counted = book.ended_count(name, finish_reason)
     _check_memory(r, s, min(limit or counted, counted))
     tally = Tally(limit, store=_continuation_store(r, s, name) if continue_output else None)

@@ -17,6 +17,7 @@ from dflash_tasks.cli.common import (
     console,
     err_console,
     generation_options,
+    job_option,
     job_or_fail,
     redis_or_fail,
 )
@@ -29,22 +30,27 @@ from dflash_tasks.core.settings import get_settings
 @click.option("--dataset", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file of prompts.")
 @click.option("--job", "name", required=True, help="Job name; enqueue the same job again to resume.")
-@generation_options
-@click.option("--thinking/--no-thinking", default=None, help="Qwen3 thinking mode [on].")
+@generation_options(shown_defaults=True)
 @click.option("--limit", type=click.IntRange(min=1), help="Only the first N valid prompts.")
 @click.option("--gpus", metavar="all|N|GPUS",
               help="The GPUs the job uses, among every node's registered ones (a node that joins "
                    "later included): all, N (gpu0..gpuN-1 of each node) or names "
-                   "(gpu0@node-a,gpu1@node-b). [all; a resumed job keeps its own]")
+                   "(gpu0@node-a,gpu1@node-b).", show_default="all; a resumed job keeps its own")
 @click.option("--nodes", metavar="all|NODES",
-              help="Only these nodes' GPUs (node-a,node-b). [all; a resumed job keeps its own]")
+              help="Only these nodes' GPUs (node-a,node-b).",
+              show_default="all; a resumed job keeps its own")
 @click.option("--bodies", type=click.Choice(["redis", "storage"]), default="redis", show_default=True,
               help="Where the prompts' texts wait: in Redis (about 750 B a prompt), or in chunks "
                    "on the output storage (S3, or an output directory every node shares) with "
                    "Redis holding about 100 B a prompt: for millions of prompts.")
+@click.option("--output", metavar="DIR|s3://BUCKET/PREFIX",
+              help="Where the job's batches go, kept by the job: every command finds them there "
+                   "from any directory.",
+              show_default="DFLASH_S3_URI, else DFLASH_OUTPUT_DIR made absolute; a resumed job "
+                           "keeps its own")
 @click.option("--follow", is_flag=True, help="Show progress until the job is done.")
 def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top_k, thinking,
-            limit, gpus, nodes, bodies, follow) -> None:
+            limit, gpus, nodes, bodies, output, follow) -> None:
     """Store a dataset's prompts as a job and start dispatching them; resumes a known job."""
     from dflash_tasks import dispatch
     from dflash_tasks.core.keys import check_job_name
@@ -76,13 +82,15 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
             "" if nodes == "all" else nodes if nodes is not None else ",".join(kept.nodes))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--gpus/--nodes") from None
+    where = _output_or_fail(existing, output, bodies == "storage")
 
     summary = ReadSummary()
     # A new job is `loading` until its whole dataset is stored (take.lua dispatches nothing), and
     # is removed again if the dataset cannot be read to its end. A resumed job keeps its state
     # and parameters until then.
     if existing is None:
-        jobs.save(r, name, params, selection=selection, dataset=str(dataset), status=lifecycle.LOADING)
+        jobs.save(r, name, params, selection=selection, dataset=str(dataset), status=lifecycle.LOADING,
+                  output=where)
     # Chunks are stored by a sender thread while the next ones are read; on a resume only the
     # prompts the job does not know yet are encoded and sent (loader.py).
     book = shared_ledger()
@@ -170,6 +178,30 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
                            dispatch.serving_gpus(book, get_settings(), job))
     if follow:
         _watch(r, name)
+
+
+def _output_or_fail(existing: jobs.Job | None, output: str | None, bodies_on_storage: bool) -> str:
+    """Where the job's batches go: a new job's --output (else the deployment's), checked before
+    anything is stored; a resumed job's own, which no enqueue changes."""
+    from dflash_tasks.output.storage import check_output
+
+    s = get_settings()
+    named = "--output" if output else "DFLASH_S3_URI" if s.s3_uri else "DFLASH_OUTPUT_DIR"
+    if existing is not None:
+        kept = existing.output or s.output_location()
+        asked = output if output is None or output.startswith("s3://") else \
+            str(Path(output).expanduser().resolve())
+        if asked is not None and asked != kept:
+            raise click.BadParameter(f"job {existing.name} keeps its batches in {kept}; a job's "
+                                     "output location does not change (a new job can have "
+                                     "another)", param_hint="--output")
+        if not bodies_on_storage:  # nothing is written there by this enqueue
+            return kept
+        output, named = kept, "the job's output"
+    try:
+        return check_output(output or s.output_location(), s, named=named)
+    except ValueError as exc:
+        raise click.ClickException(f"{exc}; nothing was stored") from None
 
 
 def _final_write(existing: jobs.Job | None, started: bool, params, selection,
@@ -262,7 +294,7 @@ def _status_table(snap: dict, width: int | None = None) -> Table:
     t.add_row("finish reasons", (", ".join(f"{k}={v:,}" for k, v in sorted(snap["finish_reasons"].items()))
                                  or "none yet")
               + f"  (truncated {snap['truncated_pct']:.1f}%)")
-    where = snap.get("s3_uri") or "local"
+    where = snap.get("output") or "local"
     t.add_row("batches", f"{snap['batches']:,} ({snap['batch_bytes']:,} bytes, {where}), "
                          f"{snap['unsealed_rows']:,} rows waiting")
     if snap.get("spooled_batches"):
@@ -320,7 +352,7 @@ def _watch(r, name: str) -> str:
 
 
 @click.command()
-@click.option("--job", "name", required=True)
+@job_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable, progress.json's names.")
 @click.option("--watch", is_flag=True,
               help="Refresh every second until the job is done (exit 0) or cancelled (exit 1).")

@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 from rich.table import Table
 
-from dflash_tasks.cli.common import console, job_or_fail, redis_or_fail
-from dflash_tasks.core.settings import get_settings
+from dflash_tasks.cli.common import (
+    console,
+    file_to_write,
+    job_option,
+    job_or_fail,
+    output_storage,
+    redis_or_fail,
+)
 
 
 def _row(t: Table, label: str, s: dict) -> None:
@@ -16,20 +23,22 @@ def _row(t: Table, label: str, s: dict) -> None:
 
 
 @click.command()
-@click.option("--job", "name", required=True)
-@click.option("--json", "as_json", is_flag=True)
+@job_option
+@click.option("--json", "as_json", is_flag=True, help="Everything, machine-readable.")
+@click.option("--from", "source", metavar="DIR|s3://BUCKET/PREFIX",
+              help="Where the job's batches are.", show_default="the location the job keeps")
 @click.option("--sample", type=click.IntRange(min=0), default=2000, show_default=True,
               help="Newest rows read for what counters cannot tell (0: counters only).")
-@click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG histogram of output lengths.")
-def stats(name: str, as_json: bool, sample: int, plot: str | None) -> None:
+@click.option("--plot", metavar="FILE.png", callback=file_to_write(".png"),
+              help="Write a PNG histogram of output lengths.")
+def stats(name: str, as_json: bool, source: str | None, sample: int, plot: Path | None) -> None:
     """Output-token percentiles, finish reasons, truncation (while thinking or in the answer),
     reasoning against answer length, empty answers, think markers in content, per GPU."""
     from dflash_tasks.output.stats import counter_hist, job_stats, plot_lengths
-    from dflash_tasks.output.storage import storage_for
 
     r = redis_or_fail()
     job = job_or_fail(r, name)
-    result = job_stats(r, storage_for(get_settings()), name, max_tokens=job.params.max_tokens,
+    result = job_stats(r, output_storage(source, name, r), name, max_tokens=job.params.max_tokens,
                        sample=sample)
     if plot:
         plot_lengths(counter_hist(r, name), job.params.max_tokens, plot)

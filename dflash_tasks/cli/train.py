@@ -52,7 +52,7 @@ def _check_job(r, name: str, waits: bool) -> None:
         raise click.ClickException(f"no job named {name!r} in this deployment: --after-done and "
                                    "--min-rows wait for a job that is generating (known jobs: "
                                    f"{', '.join(jobs.names(r)) or 'none'})")
-    storage = storage_for(get_settings())
+    storage = storage_for(get_settings())  # a job not in this Redis: the deployment's storage
     try:
         found = storage.exists(manifest_key(name))
     except StorageError as exc:
@@ -75,15 +75,15 @@ def _check_job(r, name: str, waits: bool) -> None:
                    "external trainer (SpecForge's CLI by default) on an export of the rows.")
 @click.option("--template", metavar="NAME",
               help="The command trainer's command line, by name: one the training node defines "
-                   "(DFLASH_TRAIN_TEMPLATES, docs/SECURITY.md) [specforge: specforge train "
-                   "--config {config_path}].")
+                   "(DFLASH_TRAIN_TEMPLATES, docs/SECURITY.md), or the built-in specforge: "
+                   "`specforge train --config {config_path}`.")
 @click.option("--command", "command", metavar="COMMAND_LINE",
               help="The command line itself: accepted only when it is one of those templates "
                    "(the run then names it).")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="TOML or JSON with [gate], [reference] and [command] sections "
                    "(docs/TRAINING.md).")
-@click.option("--name", "run_name", help="The run's name [JOB-train-N].")
+@click.option("--name", "run_name", help="The run's name.", show_default="JOB-train-N")
 @click.option("--smoke", is_flag=True,
               help="Queue nothing: run the overfit gate here, now, on a few of the job's "
                    "shipped rows ([smoke] of --config, or its defaults); exit 1 if it fails.")
@@ -137,11 +137,10 @@ def train(job: str, after_done: bool, min_rows: int | None, trainer: str, templa
 
 
 def _smoke_now(job: str, spec: dict, as_json: bool) -> None:
-    """The overfit gate on the job's rows in this deployment's storage, in a scratch directory."""
+    """The overfit gate on the job's rows where they are shipped, in a scratch directory."""
     import tempfile
 
-    from dflash_tasks.core.settings import get_settings
-    from dflash_tasks.output.storage import storage_for
+    from dflash_tasks.cli.common import output_storage
     from dflash_tasks.training.data.reader import NoManifest
     from dflash_tasks.training.reference.config import SmokeConfig, TrainConfig
     from dflash_tasks.training.reference.smoke import SmokeFailed, failure_message, smoke_gate
@@ -154,7 +153,7 @@ def _smoke_now(job: str, spec: dict, as_json: bool) -> None:
         try:
             verdict = smoke_gate(TrainConfig.model_validate(spec["reference"]),
                                  SmokeConfig.model_validate(spec.get("smoke") or {}), job=job,
-                                 source=storage_for(get_settings()), work_dir=work, log=say)
+                                 source=output_storage(None, job), work_dir=work, log=say)
         except (SmokeFailed, NoManifest) as exc:
             raise click.ClickException(f"smoke gate: {exc}") from None
     if as_json:

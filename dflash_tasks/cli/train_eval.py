@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from dflash_tasks.cli.common import console
+from dflash_tasks.cli.common import console, file_to_write
 
 CHECKPOINT_FILES = ("config.json", "drafter.safetensors")
 
@@ -86,19 +86,22 @@ def _print(report: dict, out: Path) -> None:
 @click.option("--checkpoint", type=click.Path(path_type=Path),
               help="A checkpoint directory (drafter.safetensors, config.json).")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="A training config whose [eval] section to use [the run's].")
+              help="A training config whose [eval] section to use.", show_default="the run's")
 @click.option("--prompts", help="Held-out prompts: a JSONL or Parquet dataset [[eval] prompts].")
-@click.option("--max-prompts", type=click.IntRange(min=1), help="Prompts measured [32].")
-@click.option("--max-new-tokens", type=click.IntRange(min=2), help="Answer cap [256].")
+@click.option("--max-prompts", type=click.IntRange(min=1), help="Prompts measured.",
+              show_default="the [eval] section's, else 32")
+@click.option("--max-new-tokens", type=click.IntRange(min=2), help="Answer cap.",
+              show_default="the [eval] section's, else 256")
 @click.option("--temperature", type=click.FloatRange(min=0),
-              help="The target's sampling temperature; 0: greedy [0].")
+              help="The target's sampling temperature; 0: greedy.",
+              show_default="the [eval] section's, else 0")
 @click.option("--thinking/--no-thinking", default=None,
-              help="The chat template's thinking mode [the run's rows'].")
+              help="The chat template's thinking mode.", show_default="the run's rows'")
 @click.option("--target", type=click.Path(path_type=Path),
-              help="The target model directory [the one the checkpoint names].")
+              help="The target model directory.", show_default="the one the checkpoint names")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="The JSON report [CHECKPOINT/eval.json].")
+@click.option("--out", metavar="FILE.json", callback=file_to_write(".json"),
+              help="The JSON report.", show_default="CHECKPOINT/eval.json")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def train_eval(run_name: str | None, step: int | None, checkpoint: Path | None,
                config: Path | None, prompts: str | None, max_prompts: int | None,
@@ -118,9 +121,7 @@ def train_eval(run_name: str | None, step: int | None, checkpoint: Path | None,
         raise click.UsageError("--step goes with --run")
     run, rows, reference = None, None, {}
     if run_name:
-        from dflash_tasks.cli.common import redis_or_fail
-        from dflash_tasks.core.settings import get_settings
-        from dflash_tasks.output.storage import storage_for
+        from dflash_tasks.cli.common import output_storage, redis_or_fail
         from dflash_tasks.training.data.reader import NewestRows, NoManifest
         from dflash_tasks.training.queue import runs
 
@@ -132,7 +133,7 @@ def train_eval(run_name: str | None, step: int | None, checkpoint: Path | None,
         checkpoint = _checkpoint_of_run(run, step)
         reference = run.spec.get("reference") or {}
         try:
-            rows = list(NewestRows(storage_for(get_settings()), run.job, limit=64))
+            rows = list(NewestRows(output_storage(None, run.job, r), run.job, limit=64))
         except NoManifest as exc:
             raise click.ClickException(f"run {run.name}: its job's rows, for the thinking "
                                        f"contract: {exc}") from None

@@ -91,7 +91,7 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
 @click.command()
 @click.option("--job", "name", required=True, help="The job whose shipped rows to check.")
 @click.option("--from", "source", metavar="S3_URI_OR_DIR",
-              help="Where the batches are [DFLASH_S3_URI, else DFLASH_OUTPUT_DIR].")
+              help="Where the batches are.", show_default="the location the job keeps")
 @rule_options
 @click.option("--sample", type=click.IntRange(min=0), default=0, show_default=True,
               help="Check only the newest N rows (0: all).")
@@ -102,12 +102,16 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
               help="Fail when one loss-mask sum holds more than this share of finished rows.")
 @click.option("--max-short-share", type=_SHARE, default=0.05, show_default=True,
               help="Fail when more rows than this have fewer than --min-loss-tokens.")
-@click.option("--max-empty-answer-share", type=_SHARE, default=0.02, show_default=True)
-@click.option("--max-empty-reasoning-share", type=_SHARE, default=0.02, show_default=True)
+@click.option("--max-empty-answer-share", type=_SHARE, default=0.02, show_default=True,
+              help="Fail when more rows than this have an empty answer.")
+@click.option("--max-empty-reasoning-share", type=_SHARE, default=0.02, show_default=True,
+              help="Fail when more rows than this have an empty reasoning (thinking mode).")
 @click.option("--max-marker-share", type=_SHARE, default=0.001, show_default=True,
               help="Fail when more rows than this have think markers in their text.")
-@click.option("--max-truncated-share", type=_SHARE, default=0.30, show_default=True)
-@click.option("--max-over-length-share", type=_SHARE, default=0.05, show_default=True)
+@click.option("--max-truncated-share", type=_SHARE, default=0.30, show_default=True,
+              help="Fail when more rows than this were cut by max_tokens.")
+@click.option("--max-over-length-share", type=_SHARE, default=0.05, show_default=True,
+              help="Fail when more rows than this are longer than --max-length.")
 @click.option("--max-prompt-mismatch-share", type=_SHARE, default=0.0, show_default=True,
               help="With --tokenizer: fail when its template renders other prompts than the "
                    "server's for more rows than this.")

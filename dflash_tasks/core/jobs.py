@@ -98,6 +98,10 @@ class Job:
     selection: GpuSelection
     dataset: str
     created_at: float
+    # Where its batches go: an absolute directory or an s3:// URI, fixed when the job is made so
+    # every command finds them from any directory ("" for a job made before jobs kept it: the
+    # deployment's location then).
+    output: str = ""
     # The config hash exactly as read: what a command's compare-and-set expects to find again.
     stored: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -119,7 +123,8 @@ def load(r: redis.Redis, name: str) -> Job | None:
                status=d.get("status", "running"),
                selection=GpuSelection(gpus=d.get("gpus", "all"),
                                       nodes=tuple(n for n in d.get("nodes", "").split(",") if n)),
-               dataset=d.get("dataset", ""), created_at=float(d.get("created_at", 0)), stored=d)
+               dataset=d.get("dataset", ""), created_at=float(d.get("created_at", 0)),
+               output=d.get("output", ""), stored=d)
 
 
 def config_fields(params: GenerationParams, selection: GpuSelection) -> dict[str, str]:
@@ -129,14 +134,14 @@ def config_fields(params: GenerationParams, selection: GpuSelection) -> dict[str
 
 
 def save(r: redis.Redis, name: str, params: GenerationParams, *, selection: GpuSelection,
-         dataset: str, status: str = "running") -> Job:
+         dataset: str, status: str = "running", output: str = "") -> Job:
     """Create the job (unconditionally: a new job's first write, or a test's). Every later change
     is a compare-and-set against what its command read (Ledger.update_job, Ledger.transition)."""
     k = JobKeys(check_job_name(name))
     pipe = r.pipeline()
     pipe.hsetnx(k.config, "created_at", time.time())
     pipe.hset(k.config, mapping={**config_fields(params, selection), "dataset": dataset,
-                                 "status": status})
+                                 "status": status, **({"output": output} if output else {})})
     pipe.sadd(JOBS, name)
     pipe.execute()
     job = load(r, name)

@@ -238,6 +238,11 @@ class Settings(BaseSettings):
                 while gate.exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
 
+    def output_location(self) -> str:
+        """Where a new job's batches go, as the job keeps it: the S3 URI, else the output
+        directory made absolute (a relative one names a different place in every directory)."""
+        return self.s3_uri or str(self.output_dir.resolve())
+
     def spool_path(self) -> Path:
         return self.spool_dir or self.output_dir / ".spool"
 

@@ -6,7 +6,10 @@ invalid_request, timeout), class (permanent or transient), the last error text (
 message), HTTP status, attempts (requests sent in the round that failed), GPU and time; the
 `failures` hash keeps how many times the prompt has entered the registry.
 
-`retry_failed` moves selected entries back to the front of the job's pending list in one atomic
+`retry_failed` leaves the prompt's own permanent failures (a prompt too long for the context, a
+malformed conversation) in the registry unless asked for them (`include_permanent`, or a
+`reason` that names them): sent again unchanged they fail the same way. It moves the selected
+entries back to the front of the job's pending list in one atomic
 step per chunk (ledger/requeue_failed.lua), then tops every GPU's window up so they are sent at
 once. An entry moves only if it is still exactly the record read, so the operation is idempotent
 and safe against a crash or a second run at the same time. The `failed` counter drops as prompts
@@ -115,24 +118,33 @@ class RetryReport:
     skipped_changed: int = 0    # changed or gone between reading and moving (another run)
     dispatched: int = 0         # tasks published right away (the rest wait for a window slot)
     status: str = ""
+    # the prompt's own permanent failures left in the registry, by reason (not asked for)
+    skipped_permanent: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"requeued": self.requeued, "by_reason": self.by_reason, "missing": self.missing,
                 "skipped_changed": self.skipped_changed, "dispatched": self.dispatched,
-                "status": self.status}
+                "status": self.status, "skipped_permanent": self.skipped_permanent}
 
 
 def retry_failed(app: Celery, book: Ledger, s: Settings, job: str, *, reason: str | None = None,
-                 gpu: str | None = None, dry_run: bool = False) -> RetryReport:
+                 gpu: str | None = None, dry_run: bool = False,
+                 include_permanent: bool = False) -> RetryReport:
     r = book.r
     info = jobs.load(r, job)
     if info is None:
         raise KeyError(f"no job named {job!r}")
     report = RetryReport(status=info.status)
+    permanent_too = include_permanent or reason is not None  # a reason asked for by name
     selected: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for prompt_id, raw, record in read(book, job):
-        if matches(record, reason, gpu):
-            selected[record.get("reason", "unknown")].append((prompt_id, raw))
+        if not matches(record, reason, gpu):
+            continue
+        why = record.get("reason", "unknown")
+        if record_class(record) == "permanent" and not permanent_too:
+            report.skipped_permanent[why] = report.skipped_permanent.get(why, 0) + 1
+            continue
+        selected[why].append((prompt_id, raw))
     for why, items in sorted(selected.items()):
         if dry_run:
             report.by_reason[why] = len(items)

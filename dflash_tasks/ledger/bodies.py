@@ -64,15 +64,12 @@ class Reference:
         return cls(chunk, offset, length)
 
 
-def default_location(settings: Settings) -> str:
-    """Where a job's first `--bodies storage` enqueue puts them: beside its batches."""
-    return settings.s3_uri or str(settings.output_dir.resolve())
-
-
 def job_location(r: redis.Redis, job: str, settings: Settings) -> str:
     """The job's body location: its own when it has one, else (its first `--bodies storage`
-    enqueue) this process's default, which becomes the job's."""
-    return jobs.body_location(r, job, wanted=default_location(settings))
+    enqueue) beside its batches, which becomes the job's."""
+    found = jobs.load(r, job)
+    beside = found.output if found is not None and found.output else settings.output_location()
+    return jobs.body_location(r, job, wanted=beside)
 
 
 class ChunkWriter:

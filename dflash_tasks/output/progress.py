@@ -319,6 +319,7 @@ def render(reads: Reads, s: Settings) -> dict:
     lat_n = count(reads, "latency_n")
     err = reads.storage_error
     gpus = {gpu: render_gpu(reads, gpu, s) for gpu in reads.gpus}
+    output = job.output or s.output_location()
     return _aliased({
         "job": job.name,
         "status": job.status,
@@ -355,7 +356,8 @@ def render(reads: Reads, s: Settings) -> dict:
         "batch_bytes": count(reads, "batch_bytes"),
         "s3_uploaded": count(reads, "s3_uploaded"),
         "s3_bytes": count(reads, "s3_bytes"),
-        "s3_uri": s.s3_uri,
+        "output": output,
+        "s3_uri": output if output.startswith("s3://") else None,
         "unsealed_rows": reads.unsealed_rows,
         "sealing_batch": reads.sealing_batch,
         "storage_error": ({"error": err.get("error"), "since": float(err.get("since", 0)),

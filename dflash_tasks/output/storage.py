@@ -17,9 +17,12 @@ import tempfile
 import threading
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dflash_tasks.core.settings import Settings, parse_s3_uri, redact_url
+
+if TYPE_CHECKING:
+    from dflash_tasks.core.jobs import Job
 
 
 def process_umask() -> int:
@@ -229,15 +232,15 @@ class S3Storage:
                               multipart_chunksize=self._chunksize,
                               max_concurrency=self._max_concurrency, use_threads=True)
 
-    def check(self, *, bucket: bool) -> str | None:
-        """What stops this process from using the storage at all, named by the variables that
-        set it up, or None: no credentials in boto3's chain; with `bucket`, a bucket that refuses
-        them or does not exist. An endpoint that does not answer is not such a fault (an outage:
-        beat's spool rides it out)."""
+    def check(self, *, bucket: bool, named: str = "DFLASH_S3_URI") -> str | None:
+        """What stops this process from using the storage at all, named by the setting that
+        chose it (`named`), or None: no credentials in boto3's chain; with `bucket`, a bucket
+        that refuses them or does not exist. An endpoint that does not answer is not such a
+        fault (an outage: beat's spool rides it out)."""
         import boto3
 
         if boto3.session.Session().get_credentials() is None:
-            return (f"DFLASH_S3_URI={self.uri} but no AWS credentials on this node: set "
+            return (f"{named}={self.uri} but no AWS credentials on this node: set "
                     "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role")
         if not bucket:
             return None
@@ -246,9 +249,9 @@ class S3Storage:
         except Exception as exc:
             err = self._error("check", "", exc)
             if isinstance(err, StorageDenied):
-                return f"DFLASH_S3_URI={self.uri}: the bucket {self.bucket} refuses these credentials"
+                return f"{named}={self.uri}: the bucket {self.bucket} refuses these credentials"
             if isinstance(err, StorageNotFound):
-                return f"DFLASH_S3_URI={self.uri}: there is no bucket {self.bucket}"
+                return f"{named}={self.uri}: there is no bucket {self.bucket}"
         return None
 
     def key_for(self, key: str) -> str:
@@ -377,6 +380,34 @@ def storage_for(settings: Settings) -> Storage:
     if settings.s3_uri:
         return _s3_for(settings.s3_uri, settings)
     return LocalStorage(settings.output_dir)
+
+
+def job_output(job: Job, settings: Settings) -> Storage:
+    """Where this job's batches go and are read from: the location it keeps (made absolute when
+    it was enqueued), or the deployment's for a job made before jobs kept one."""
+    return storage_at(job.output, settings) if job.output else storage_for(settings)
+
+
+def check_output(where: str, settings: Settings, *, named: str) -> str:
+    """A new job's output location as the job keeps it: an s3:// URI whose bucket takes this
+    node's credentials, or a directory made absolute that this process can create or write.
+    Raises ValueError naming the setting (`named`) and the problem; creates nothing."""
+    if where.startswith("s3://"):
+        parse_s3_uri(where)  # ValueError names what is wrong with the URI
+        problem = _s3_for(where, settings).check(bucket=True, named=named)
+        if problem:
+            raise ValueError(problem)
+        return where
+    if "://" in where:
+        raise ValueError(f"{named}={where}: a directory or an s3://bucket/prefix URI")
+    path = Path(where).expanduser().resolve()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{named}={where}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{named}={where}: {existing} is not writable by this user"
+                         + ("" if existing == path else f" (to create {path} in it)"))
+    return str(path)
 
 
 def _s3_for(uri: str, s: Settings, readers: int | None = None) -> S3Storage:

@@ -27,7 +27,7 @@ from dflash_tasks.output.progress import (
     write_progress,
 )
 from dflash_tasks.output.spool import Spool
-from dflash_tasks.output.storage import LocalStorage, StorageError, storage_for
+from dflash_tasks.output.storage import LocalStorage, Storage, StorageError, job_output
 from dflash_tasks.tasks.app import app
 from dflash_tasks.training.data.monitor import sample_quality
 
@@ -36,10 +36,10 @@ ACTIVE = ("running", "paused")
 STORAGE_WARN_EVERY_S = 300  # while storage keeps failing, one warning per this many seconds
 
 
-def batch_writer() -> BatchWriter:
-    """Beat's batch writer; every batch it seals is sampled for the quality monitor."""
+def batch_writer(storage: Storage) -> BatchWriter:
+    """Beat's batch writer into a job's storage; every batch it seals is sampled for the quality
+    monitor."""
     r, s = redis_client(), get_settings()
-    storage = storage_for(s)
     # The spool spares Redis an S3 outage; batches kept in the local directory need none (a disk
     # that refuses them would refuse the spool too).
     spool = Spool(s.spool_path()) if getattr(storage, "is_remote", False) else None
@@ -58,12 +58,15 @@ def tick_job(name: str) -> dict | None:
         log.debug("job %s: another tick is running; skipped", name)
         return None
     with lock:
-        storage = storage_for(s)
+        job = jobs.load(r, name)
+        if job is None:  # deleted since beat listed it
+            return None
+        storage = job_output(job, s)
         _seal_and_ship(r, s, name, storage)
         snap = snapshot(r, name, s)
         prune_rate(r, name, list(snap["gpus"]), keep_s=2 * s.rate_window_s + 60)
         finished = snap["status"] == "running" and is_finished(snap) and \
-            _final_manifest(r, name, snap)
+            _final_manifest(r, name, snap, storage)
         if finished:
             snap["status"] = "done"
         lock.still_held()
@@ -95,7 +98,7 @@ def _seal_and_ship(r, s, name: str, storage) -> None:
     # The error state changes only on evidence: a failed write sets it, a write that went
     # through clears it (a tick with nothing to seal proves nothing). A batch the spool took
     # left Redis, but the storage failed all the same.
-    writer = batch_writer()
+    writer = batch_writer(storage)
     try:
         written = writer.flush(name, final=all_answered)
     except (StorageError, OSError) as exc:
@@ -123,12 +126,12 @@ def _seal_and_ship(r, s, name: str, storage) -> None:
             _storage_state(r, name, None, snap["unsealed_rows"])
 
 
-def _final_manifest(r, name: str, snap: dict) -> bool:
+def _final_manifest(r, name: str, snap: dict, storage: Storage) -> bool:
     """manifest.json rewritten once more before the job is done: a rewrite that failed while
     the spool took over (batches.py goes on without it) is caught up here at the latest; and
     superseded.json lists every row a regenerate replaced."""
     try:
-        writer = batch_writer()
+        writer = batch_writer(storage)
         writer.write_manifest(name)
         return writer.write_superseded(name)
     except StorageError as exc:
@@ -137,12 +140,13 @@ def _final_manifest(r, name: str, snap: dict) -> bool:
 
 
 def _write_progress(r, s, name: str, storage, snap: dict) -> bool:
-    """progress.json in the output directory, and beside the batches when they go to S3 (not
-    while storage fails with rows waiting: the error is in the local copy). True when a copy is
-    where the batches are."""
-    write_progress(LocalStorage(s.output_dir), name, snap)
+    """progress.json beside the batches; when they go to S3, first a copy in beat's own output
+    directory, which says the error while the storage fails with rows waiting (none is written
+    to S3 then). True when a copy is where the batches are."""
     if not getattr(storage, "is_remote", False):
+        write_progress(storage, name, snap)
         return True
+    write_progress(LocalStorage(s.output_dir), name, snap)
     if snap["storage_error"] and (snap["unsealed_rows"] or snap["spooled_batches"]):
         return False
     try:

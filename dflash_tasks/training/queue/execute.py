@@ -27,10 +27,11 @@ from typing import Callable
 
 import redis
 
+from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import check_job_name
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.output.progress import read_progress
-from dflash_tasks.output.storage import S3Storage, StorageError, storage_for
+from dflash_tasks.output.storage import S3Storage, StorageError, job_output, storage_for
 from dflash_tasks.training.data.reader import NoManifest, job_storage
 from dflash_tasks.training.queue import checkpoints, runs, spec
 from dflash_tasks.training.queue.command import LogTail, run_command
@@ -67,7 +68,8 @@ class RunSession:
         self.run_dir = _run_dir(settings.training_dir(), run)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.attempt = 1
-        self.storage = storage_for(settings)
+        job = jobs.load(r, run.job)  # where its batches are; a job from elsewhere: ours
+        self.storage = job_output(job, settings) if job is not None else storage_for(settings)
         self.s3 = self.storage if isinstance(self.storage, S3Storage) else None
         self.uploaded: dict[str, str] = dict(run.get("uploaded") or {})
         self.phase = "gate"
