@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-sglang demo bench bench-10m chaos readme-story clean
+.PHONY: install test test-sglang demo local local-stop bench bench-10m chaos readme-story clean
 
 install: $(STAMP)
 
@@ -33,6 +33,18 @@ test-sglang: install
 
 demo: install
 	$(PY) -m dflash_dev.demo
+
+# A deployment of one's own that stays up (dflash_dev/standalone.py): a Redis of its own with
+# persistence on a free port, GPUS simulated GPUs with their workers, beat and Flower; it prints
+# the export line a shell needs and the next commands. `make local-stop` stops it all; data, logs
+# and batches stay in LOCAL_DIR.
+LOCAL_DIR ?= output/local
+GPUS ?= 2
+local: install
+	$(PY) -m dflash_dev.standalone start --dir $(LOCAL_DIR) --gpus $(GPUS)
+
+local-stop:
+	$(PY) -m dflash_dev.standalone stop --dir $(LOCAL_DIR)
 
 # The performance benchmark (about twenty minutes on 2 cores): prints the table and writes
 # benchmarks/RESULTS.md, and the README's Performance section after a full run.
