@@ -14,7 +14,7 @@ RUN pip install -r requirements.txt
 
 # The code. Named paths rather than `COPY . .`: a developer checkout holds a .venv, output/ and
 # test artifacts that must not end up in the image.
-COPY manage.py celeryconfig.py requirements.in ./
+COPY manage.py celeryconfig.py pyproject.toml ./
 COPY dflash_tasks/ dflash_tasks/
 COPY workers/ workers/
 

@@ -1,6 +1,7 @@
-# Every target works on a fresh clone: `make install` builds .venv from the pinned requirements
-# and installs the project into it (editable, no dependencies of its own: requirements.txt pins
-# them), so `manage.py` and `launch_node.py` are on .venv/bin and work from any directory.
+# Every target works on a fresh clone: `make install` builds .venv from the lock (requirements.txt:
+# the versions the tests ran with; pyproject.toml's ranges when the index lacks one of them) and
+# installs the project into it (editable), so `manage.py` and `launch_node.py` are on .venv/bin
+# and work from any directory.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -11,12 +12,19 @@ STAMP  := $(VENV)/.installed
 install: $(STAMP)
 
 $(STAMP): requirements.txt requirements-specforge.txt pyproject.toml
+	@echo "== make install: a virtual environment in $(VENV) (about 1.5 minutes the first time)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps -r requirements-specforge.txt  # why: in that file
+	@echo "== the $$(grep -c '==' requirements.txt) packages of the lock, requirements.txt"
+	$(PY) -m pip install --progress-bar on -r requirements.txt \
+	  || { echo "== the index lacks a locked version: installing pyproject.toml's ranges instead"; \
+	       $(PY) -m pip install --progress-bar on -e '.[dev]'; }
+	@echo "== SpecForge, without its own pins (requirements-specforge.txt says why)"
+	$(PY) -m pip install --quiet --no-deps -r requirements-specforge.txt
+	@echo "== the project itself, editable"
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
+	@echo "== .venv is ready: source .venv/bin/activate puts manage.py and launch_node.py on the PATH"
 
 # The whole suite, a test file per pytest-xdist worker (--dist loadfile: a file's deployments are
 # not started twice). Its processes mostly wait on one another, so more workers than cores pays:

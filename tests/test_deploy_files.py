@@ -379,3 +379,31 @@ def test_launcher_runs_workers_restarts_them_and_stops_them_before_servers(node,
     assert log.index("[gpu0 worker] stopped") < log.index("[gpu0 server] stopping"), log
     for pid in n.pids:
         wait_until(lambda: group_gone(pid), timeout=10, what=f"process group {pid} gone")
+
+
+# -- the dependencies: ranges in pyproject.toml, the lock in requirements.txt ---------------------
+
+def test_the_lock_satisfies_every_range_and_every_range_has_a_lower_bound():
+    """pyproject.toml's ranges are what an install falls back to when the index lacks a locked
+    version (make install); the lock is what the tests ran with. Each must hold the other."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = [Requirement(r) for r in project["dependencies"]]
+    wanted += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra
+               if not r.startswith(project["name"])]
+    lock = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            lock[canonicalize_name(name)] = version
+    for req in wanted:
+        assert any(spec.operator == ">=" for spec in req.specifier), f"{req}: no lower bound"
+        version = lock.get(canonicalize_name(req.name))
+        assert version is not None, f"{req.name} is not in the lock (requirements.txt)"
+        assert req.specifier.contains(version, prereleases=True), \
+            f"the lock's {req.name}=={version} is outside {req}"
