@@ -68,7 +68,8 @@ class RunSession:
         self.run_dir = _run_dir(settings.training_dir(), run)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.attempt = 1
-        job = jobs.load(r, run.job)  # where its batches are; a job from elsewhere: ours
+        # Where its batches are: the job's own location; a job from elsewhere: ours.
+        job = jobs.load(r, run.job) if r is not None else None
         self.storage = job_output(job, settings) if job is not None else storage_for(settings)
         self.s3 = self.storage if isinstance(self.storage, S3Storage) else None
         self.uploaded: dict[str, str] = dict(run.get("uploaded") or {})
