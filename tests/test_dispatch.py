@@ -1,4 +1,4 @@
-"""Windowed dispatch (dflash_tasks/dispatch, ledger/take.lua) against the session's
+"""Windowed dispatch (dflash_tasks/dispatch, dispatch/lua/take.lua) against the session's
 redis-server: a top-up publishes Celery messages in the same call, and once pending is empty a
 GPU with an empty queue takes a waiting prompt from another GPU's queue."""
 from __future__ import annotations
@@ -163,6 +163,8 @@ def test_take_lua_and_the_python_selection_agree(redis_url, gpus, nodes):
     """take.lua checks a job's GPU selection in Redis, GpuSelection.allows in Python (beat,
     enqueue, status): the two must say the same for every kind of selection and GPU."""
     from dflash_tasks.core import jobs
+    from dflash_tasks.core.settings import Settings
+    from dflash_tasks.dispatch import window
     from dflash_tasks.ledger import Ledger
     from dflash_tasks.ledger.messages import encode_messages
 
@@ -176,7 +178,8 @@ def test_take_lua_and_the_python_selection_agree(redis_url, gpus, nodes):
         jobs.save(r, "sel", jobs.GenerationParams(), selection=selection, dataset="-",
                   status="running")
         book.add_prompts("sel", [("p", encode_messages([{"role": "user", "content": "q"}]))])
-        took = book.take("sel", gpu, 1, task="dflash_tasks.generate", origin="t", reply_to="")
+        took = window.take(r, Settings(), "sel", gpu, 1, task="dflash_tasks.generate",
+                           origin="t", reply_to="")
         assert bool(took) == selection.allows(gpu), (selection, gpu)
 
 

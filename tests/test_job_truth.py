@@ -20,6 +20,7 @@ from support import ROOT, python, wait_until
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.dispatch import window
 from dflash_tasks.ledger import Ledger
 from dflash_tasks.ledger.messages import encode_messages
 
@@ -140,12 +141,12 @@ def test_an_outcome_already_there_never_drops_a_fresh_dispatch(redis_url):
     assert book.requeue_failed("fallout", list(book.failed_records("fallout"))) == (1, 0)
     r.lpop(k.pending)
     r.zadd(k.inflight(GPU), {"p0": time.time()})                      # dispatched here again
-    assert not book.drop_settled("fallout", GPU, "p0")
+    assert not window.drop_settled(r, "fallout", GPU, "p0")
     assert r.zscore(k.inflight(GPU), "p0") is not None
     # A prompt that does have its outcome leaves.
     r.zadd(k.inflight(GPU), {"px": 1})
     r.sadd(k.done, "px")
-    assert book.drop_settled("fallout", GPU, "px")
+    assert window.drop_settled(r, "fallout", GPU, "px")
 
 
 def test_update_job_is_a_compare_and_set(redis_url):

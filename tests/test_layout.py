@@ -1,23 +1,26 @@
 """The layout's rules, checked: stages import only downwards (import-linter's contract in
-.importlinter), every Redis key string and Lua script stays with its owner, only the settings read
+.importlinter), every Redis key string stays in keys.py and every Lua script in its stage's
+`lua/`, loaded by name through core/scripts.py, only the settings read
 DFLASH_* variables, only the entry points reach for the process's Settings, Redis and Ledger, and
 docs/ARCHITECTURE.md's key table names exactly the keys keys.py makes."""
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support import ROOT
 
 from dflash_tasks.core import keys
 
 PACKAGES = ("dflash_tasks", "dflash_dev")
 KEYS_OWNER = "dflash_tasks/core/keys.py"
-SCRIPTS_OWNER = "dflash_tasks/ledger/__init__.py"
+SCRIPTS_OWNER = "dflash_tasks/core/scripts.py"
 SETTINGS_OWNER = "dflash_tasks/core/settings.py"
 
 
@@ -52,7 +55,9 @@ def test_redis_key_strings_live_only_in_keys_py():
     assert not stray, "Redis key strings outside core/keys.py:\n" + "\n".join(stray)
 
 
-def test_lua_scripts_are_registered_and_read_only_by_the_ledger():
+def test_lua_scripts_live_with_their_stage_and_are_loaded_only_by_the_script_loader():
+    """Each stage keeps its scripts in its own `lua/` folder; only core/scripts.py reads them
+    and talks Lua to Redis, and a stage names a script by its name, never by its file."""
     stray = []
     for path, tree in modules(*PACKAGES):
         if path == SCRIPTS_OWNER:
@@ -65,9 +70,35 @@ def test_lua_scripts_are_registered_and_read_only_by_the_ledger():
         # A file name, or an f-string's ".lua" part (prose that names a script has spaces).
         stray += [f"{path}:{line}: {value!r}" for line, value in strings(tree)
                   if value.endswith(".lua") and not re.search(r"\s", value)]
-    lua = sorted(p.relative_to(ROOT) for p in ROOT.rglob("*.lua") if ".venv" not in p.parts)
-    assert all(p.parent == Path("dflash_tasks/ledger") for p in lua), lua
-    assert not stray, "Lua outside the ledger:\n" + "\n".join(stray)
+    assert not stray, "Lua outside the script loader:\n" + "\n".join(stray)
+    lua = sorted(p.relative_to(ROOT) for p in (ROOT / "dflash_tasks").rglob("*.lua"))
+    assert lua and all(p.parent.name == "lua" for p in lua), lua
+
+
+def test_no_script_indexes_keys_or_arguments_by_hand():
+    """The loader binds KEYS and ARGV to the names each script declares: a key added in the
+    middle shifts nothing."""
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+             for p in sorted((ROOT / "dflash_tasks").rglob("*.lua"))
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\b(KEYS|ARGV)\b", line) and not line.lstrip().startswith("--")]
+    assert not found, "KEYS/ARGV indexed by hand:\n" + "\n".join(found)
+
+
+def test_every_script_loads_and_each_call_names_exactly_its_keys_and_arguments():
+    from dflash_tasks.core.scripts import Script, ScriptError
+
+    scripts = {}
+    for module in ("dflash_tasks.ledger", "dflash_tasks.dispatch.window", "dflash_tasks.output.sealing",
+                   "dflash_tasks.worker.heartbeat", "dflash_tasks.training.queue.runs"):
+        for value in vars(importlib.import_module(module)).values():
+            if isinstance(value, Script):
+                scripts[value.path] = value
+    on_disk = {p for p in (ROOT / "dflash_tasks").rglob("*.lua") if p.stem != "elsewhere"}
+    assert set(scripts) == on_disk, sorted(str(p) for p in on_disk ^ set(scripts))
+    take = scripts[ROOT / "dflash_tasks" / "dispatch" / "lua" / "take.lua"]
+    with pytest.raises(ScriptError, match="missing .*window.*unknown windw"):
+        take(None, **{n: "" for n in (*take.keys, *take.args) if n != "window"}, windw=3)
 
 
 def test_only_the_settings_read_dflash_variables():

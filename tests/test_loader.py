@@ -1,4 +1,4 @@
-"""Bulk enqueue (dflash_tasks/ingest/loader.py, ledger/add_prompts.lua, ledger/unknown_ids.lua) and the
+"""Bulk enqueue (dflash_tasks/ingest/loader.py, ledger/lua/add_prompts.lua, ledger/lua/unknown_ids.lua) and the
 compact form of the stored messages, against the session's redis-server."""
 from __future__ import annotations
 

@@ -21,6 +21,8 @@ from support import wait_until
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import MIGRATIONS, JobKeys
+from dflash_tasks.core.settings import Settings
+from dflash_tasks.dispatch import window as dispatch_window
 from dflash_tasks.ledger import Ledger
 from dflash_tasks.ledger.messages import encode_messages
 
@@ -36,7 +38,8 @@ def _job(r, name: str, n: int) -> Ledger:
 
 
 def _take(book: Ledger, job: str, gpu: str, window: int) -> list[str]:
-    return book.take(job, gpu, window, task="dflash_tasks.generate", origin="t", reply_to="")
+    return dispatch_window.take(book.r, Settings(), job, gpu, window, task="dflash_tasks.generate",
+                                origin="t", reply_to="")
 
 
 def test_an_idle_fast_gpu_orders_the_last_generation_of_a_slower_one_moved(redis_url):
@@ -56,20 +59,20 @@ def test_an_idle_fast_gpu_orders_the_last_generation_of_a_slower_one_moved(redis
     _take(book, "end", FAST, 2)                           # a second free slot, a second order
     _take(book, "end", FAST, 2)                           # no third: two slots
     assert r.hlen(k.migrating) == 2
-    assert book.migration_target("end", ordered, SLOW) == FAST
-    assert book.migration_target("end", ordered, FAST) is None
+    assert dispatch_window.migration_target(r, "end", ordered, SLOW) == FAST
+    assert dispatch_window.migration_target(r, "end", ordered, FAST) is None
 
     # The hand-over moves the prompt and its entry once; a second (a duplicate) moves nothing.
-    assert book.hand_over("end", ordered, SLOW, FAST, b"entry", 123)
+    assert dispatch_window.hand_over(r, "end", ordered, SLOW, FAST, b"entry", 123)
     assert r.zscore(k.inflight(FAST), ordered) is not None
     assert r.zscore(k.inflight(SLOW), ordered) is None and r.hget(k.prompts, ordered) == b"entry"
-    assert not book.hand_over("end", ordered, SLOW, FAST, b"entry", 123)
+    assert not dispatch_window.hand_over(r, "end", ordered, SLOW, FAST, b"entry", 123)
     c = counters(type("C", (), {"r": r}), "end")
     assert (c["migrated"], c["migrated_tokens"]) == (1, 123)
     # An order whose prompt left the GPU (its row came, it was recalled) lapses at the next take.
     [other] = [i for i in (v.decode() for v in r.hkeys(k.migrating))]
-    book.recall("end", SLOW, [other])
-    assert not book.hand_over("end", other, SLOW, FAST, b"entry", 5)
+    dispatch_window.recall(r, "end", SLOW, [other])
+    assert not dispatch_window.hand_over(r, "end", other, SLOW, FAST, b"entry", 5)
     _take(book, "end", FAST, 4)
     assert other.encode() not in r.hkeys(k.migrating)
     # A GPU no faster than the others orders nothing.

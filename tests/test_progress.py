@@ -13,6 +13,7 @@ from test_pipeline import dataset, start
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.output import sealing
 
 REQUIRED = ("total", "completed", "failed", "rate_per_sec", "eta_hours", "total_input_tokens",
             "total_output_tokens", "avg_output_tokens", "elapsed_hours", "s3_uploaded", "s3_bytes",
@@ -238,7 +239,7 @@ def test_latency_percentiles_and_s3_totals_are_counted_once_per_batch(r, tmp_pat
     writer.flush("lat", final=True)  # nothing more, nothing counted twice
     # A batch recorded again (a retried step) adds nothing.
     rec = json.loads(r.hget(JobKeys("lat").manifest, names[0]))
-    assert not book.record_batch("lat", names[0], rec, stats={"latency_n": 999})
+    assert not sealing.record_batch(r, "lat", names[0], rec, stats={"latency_n": 999})
 
     snap = snapshot(r, "lat", _settings())
     ms = sorted(x * 1000 for x in latencies)

@@ -21,6 +21,8 @@ from test_pipeline import SIM_ARGS, dataset
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import MEMORY_HOLD, JobKeys
+from dflash_tasks.core.settings import Settings
+from dflash_tasks.dispatch import window
 from dflash_tasks.ledger import Ledger
 from dflash_tasks.output.batches import SPOOLED, BatchPolicy, BatchWriter, read_batch, read_manifest
 from dflash_tasks.output.spool import Spool
@@ -253,8 +255,12 @@ def test_a_beat_killed_after_any_step_loses_and_doubles_nothing(r, tmp_path, mon
 def test_dispatch_is_held_near_maxmemory_and_while_a_job_cannot_seal(r):
     from dflash_tasks.dispatch import hold
 
-    book = _job(r, 10)
-    take = lambda: book.take(JOB, GPU, 2, task="dflash_tasks.generate", origin="t", reply_to="")  # noqa: E731
+    _job(r, 10)
+
+    def take(gpu: str = GPU) -> list[str]:
+        return window.take(r, Settings(), JOB, gpu, 2, task="dflash_tasks.generate", origin="t",
+                           reply_to="")
+
     used = r.info("memory")["used_memory"]
     r.config_set("maxmemory", used * 2)
     try:
@@ -266,15 +272,13 @@ def test_dispatch_is_held_near_maxmemory_and_while_a_job_cannot_seal(r):
         # Issue 28: nothing to seal, so a hold would free nothing and never clear (what fills
         # Redis leaves only as it is dispatched): dispatch goes on.
         assert hold.check_memory(r, 0.4, 0) is None and not r.exists(MEMORY_HOLD)
-        assert len(book.take(JOB, "gpu1@a", 2, task="dflash_tasks.generate", origin="t",
-                             reply_to="")) == 2
+        assert len(take("gpu1@a")) == 2
     finally:
         r.config_set("maxmemory", 0)
     assert hold.check_memory(r, 0.01, 10) is None  # no maxmemory: nothing to measure against
 
     hold.hold_job(r, JOB, "storage", "S3 down and the spool's disk full")
     assert take() == []
-    from dflash_tasks.core.settings import Settings
     from dflash_tasks.output.progress import snapshot
 
     snap = snapshot(r, JOB, Settings())

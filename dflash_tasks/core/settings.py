@@ -103,6 +103,15 @@ class Settings(BaseSettings):
     # server, at once.
     breaker_handover_s: float = 60.0
 
+    # The end game (dispatch/lua/take.lua): a GPU this much faster than another (its requests'
+    # output tokens/s, a moving average in which each request weighs speed_average_weight) takes
+    # the other's queued prompts, is left the last ones, and has a generation running there
+    # moved to it; an order to move one that its worker has not carried out in
+    # migration_order_lapse_s lapses.
+    endgame_faster_ratio: float = Field(1.15, gt=1.0)
+    speed_average_weight: float = Field(0.05, gt=0.0, le=1.0)
+    migration_order_lapse_s: float = Field(60.0, gt=0.0)
+
     # Warm shutdown (SIGTERM): requests in flight get this long to finish, then they are aborted
     # on the server and handed over with their partial output, which another GPU continues (0:
     # at once; a long generation is neither thrown away nor waited for). Below the deployments'

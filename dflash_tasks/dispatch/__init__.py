@@ -26,6 +26,7 @@ from dflash_tasks.core.keys import (
     queue_for,
 )
 from dflash_tasks.core.settings import Settings
+from dflash_tasks.dispatch import window as window_steps
 from dflash_tasks.ledger import Ledger
 
 UNACKED = "unacked"   # kombu's Redis transport: delivered, not yet acknowledged messages
@@ -134,8 +135,8 @@ def topup(app: Celery, book: Ledger, s: Settings, job: str, gpu: str,
     registry: a round trip less per completion); beat reads what the worker registered.
     `target`: fill only up to that many in flight (topup_all's share of a small job)."""
     window = target if target is not None else window_for(book.r, s, gpu, concurrency)
-    ids = book.take(job, gpu, window, task=GENERATE_TASK,
-                    origin=_origin(), reply_to=app.thread_oid, alive_s=s.worker_gone_after_s)
+    ids = window_steps.take(book.r, s, job, gpu, window, task=GENERATE_TASK, origin=_origin(),
+                            reply_to=app.thread_oid)
     return len(ids)
 
 
@@ -162,8 +163,8 @@ def withdraw(book: Ledger, job: str, gpu: str, *, everything: bool) -> int:
     worker already holds. Requests already running finish either way (the ledger keeps one row).
     Returns how many prompts went back."""
     withdrawn = _remove_queued(book.r, job, gpu)
-    back = book.recall(job, gpu, withdrawn) if withdrawn else 0
-    return back + (book.recall(job, gpu) if everything else 0)
+    back = window_steps.recall(book.r, job, gpu, withdrawn) if withdrawn else 0
+    return back + (window_steps.recall(book.r, job, gpu) if everything else 0)
 
 
 def _remove_queued(r: redis.Redis, job: str, gpu: str, only: set[str] | None = None) -> list[str]:
@@ -200,7 +201,7 @@ def reap(app: Celery, book: Ledger, s: Settings, job: str, gpu: str,
                     "(a broker crash lost them); dispatching them again", job, gpu, len(lost))
     again = sorted(stale | lost)
     if again:
-        book.restamp_inflight(job, gpu, again, now)
+        window_steps.restamp_inflight(book.r, job, gpu, again, now)
         publish(app, job, gpu, again)
     return len(again)
 
@@ -350,4 +351,4 @@ def drain_gone(book: Ledger, job: str, gpu: str, older_than_s: float) -> int:
     if not old:
         return 0
     _remove_queued(book.r, job, gpu, only=old)
-    return book.recall(job, gpu, sorted(old))
+    return window_steps.recall(book.r, job, gpu, sorted(old))

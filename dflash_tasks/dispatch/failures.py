@@ -1,6 +1,6 @@
 """The failed registry of a job: what is in it, grouped by reason, and putting prompts back.
 
-A prompt enters the registry (ledger/fail.lua) on a permanent error at once, or when its
+A prompt enters the registry (ledger/lua/fail.lua) on a permanent error at once, or when its
 transient retries are exhausted. Each entry records: id, reason (the error's class name: e.g.
 invalid_request, timeout), class (permanent or transient), the last error text (the server's
 message), HTTP status, attempts (requests sent in the round that failed), GPU and time; the
@@ -10,7 +10,7 @@ message), HTTP status, attempts (requests sent in the round that failed), GPU an
 malformed conversation) in the registry unless asked for them (`include_permanent`, or a
 `reason` that names them): sent again unchanged they fail the same way. It moves the selected
 entries back to the front of the job's pending list in one atomic
-step per chunk (ledger/requeue_failed.lua), then tops every GPU's window up so they are sent at
+step per chunk (ledger/lua/requeue_failed.lua), then tops every GPU's window up so they are sent at
 once. An entry moves only if it is still exactly the record read, so the operation is idempotent
 and safe against a crash or a second run at the same time. The `failed` counter drops as prompts
 move out; `completed` rises as they succeed; one that fails again re-enters the registry, once,

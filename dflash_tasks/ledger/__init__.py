@@ -1,8 +1,8 @@
-"""The books in Redis: a job's prompts, dispatch windows, done marks, counters and output rows,
-plus the compare-and-set steps of batch sealing and of training runs.
-
-Every Lua script of the project is a file beside this one, so each multi-step change is atomic
-and reviewable on its own; this module alone registers them and names the keys each one touches.
+"""The books in Redis: a job's prompts, done marks, counters and output rows, and each prompt's
+outcomes (complete, fail, retry, reopen, requeue), each a Lua script in `lua/` (core/scripts.py
+names their keys), so each multi-step change is atomic and reviewable on its own. The scripts
+that decide other stages' things live with those stages: dispatch's (take, recall, hand over),
+sealing's (output/), the worker registry's (worker/), a training run's (training/queue/).
 `messages` is the stored form of a prompt's conversation.
 """
 from __future__ import annotations
@@ -12,35 +12,36 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import redis
 
 from dflash_tasks.core.connections import redis_client
 from dflash_tasks.core.jobs import JobDeleted
-from dflash_tasks.core.keys import (
-    BREAKERS,
-    MEMORY_HOLD,
-    MIGRATIONS,
-    WORKERS,
-    WORKERS_SEEN,
-    JobKeys,
-    queue_for,
-)
+from dflash_tasks.core.keys import JobKeys
 from dflash_tasks.core.lifecycle import STATES
+from dflash_tasks.core.scripts import Script
 from dflash_tasks.core.settings import Settings, get_settings
 from dflash_tasks.ledger import bodies
 from dflash_tasks.ledger.messages import decode_messages, encode_messages
 
 log = logging.getLogger(__name__)
-_HERE = Path(__file__).parent
 LAGGING_WARN_EVERY_S = 60.0
 HIST_BUCKET_TOKENS = 64   # output-length histogram resolution, for percentiles without scans
 SPEED_MIN_TOKENS = 64     # the shortest request that counts for its GPU's speed (take.lua)
 # Rows that ended "stop" are most of a job and rarely generated again: they are not in the index
 # of rows by finish reason (regenerate reads the batches to find them). Every other reason is.
 UNINDEXED_REASONS = frozenset({"stop"})
+
+ADD_PROMPTS = Script(__file__, "add_prompts")
+UNKNOWN_IDS = Script(__file__, "unknown_ids")
+COMPLETE = Script(__file__, "complete")
+FAIL = Script(__file__, "fail")
+RETRY = Script(__file__, "retry")
+REQUEUE_FAILED = Script(__file__, "requeue_failed")
+REOPEN = Script(__file__, "reopen")
+FINISH = Script(__file__, "finish")
+UPDATE_JOB = Script(__file__, "update_job")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,20 +110,14 @@ def entry_order(entry: str) -> tuple[int, int]:
 
 
 class Ledger:
-    def __init__(self, client: redis.Redis, *, wait_replicas: int = 0, wait_timeout_ms: int = 1000):
+    def __init__(self, client: redis.Redis, *, wait_replicas: int = 0, wait_timeout_ms: int = 1000,
+                 speed_weight: float = 0.05):
         self.r = client
+        # Settings.speed_average_weight: how far each request moves its GPU's speed (complete.lua).
+        self.speed_weight = speed_weight
         # Settings.redis_wait_replicas: rows (and batches) wait until the replicas have them.
         self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
         self._lagging_warned_at = -LAGGING_WARN_EVERY_S
-        prelude = {"complete": "elsewhere", "fail": "elsewhere"}  # Lua functions they call
-        self._scripts = {
-            name: client.register_script("".join(
-                (_HERE / f"{part}.lua").read_text() for part in (prelude.get(name), name) if part))
-            for name in ("unknown_ids", "add_prompts", "take", "complete", "fail", "record_batch", "retry",
-                         "requeue_failed", "reopen", "recall", "drop_sealed", "clear_sealing",
-                         "ship_spooled", "finish", "update_job", "drop_settled", "claim_gpu",
-                         "hand_over",
-                         "train_run_set")}
 
     # -- enqueue ---------------------------------------------------------------------------------
 
@@ -130,9 +125,9 @@ class Ledger:
         """Store (id, messages_json) pairs not seen before and queue them; returns how many.
         Raises JobDeleted when the job was deleted meanwhile (nothing is stored then)."""
         k = JobKeys(job)
-        argv = [x for pair in prompts for x in pair]
-        added = int(self._scripts["add_prompts"](
-            keys=[k.prompts, k.pending, k.done, k.counters, k.config], args=argv))
+        added = int(ADD_PROMPTS(self.r, prompts=k.prompts, pending=k.pending, done=k.done,
+                                counters=k.counters, config=k.config,
+                                items=[x for pair in prompts for x in pair]))
         if added < 0:
             raise JobDeleted(f"job {job} was deleted while its prompts were being stored")
         return added
@@ -141,25 +136,9 @@ class Ledger:
         """The 0-based positions of the ids the job neither stores nor has done (a resumed
         enqueue sends only those prompts' messages)."""
         k = JobKeys(job)
-        return [i - 1 for i in self._scripts["unknown_ids"](keys=[k.prompts, k.done], args=list(ids))]
+        return [i - 1 for i in UNKNOWN_IDS(self.r, prompts=k.prompts, done=k.done, ids=ids)]
 
-    # -- dispatch --------------------------------------------------------------------------------
-
-    def take(self, job: str, gpu: str, window: int, *, task: str, origin: str,
-             reply_to: str, alive_s: float = 180) -> list[str]:
-        """Top gpu's window up from pending and publish a `task` message per id taken onto its
-        queue, in one call; at the end of the run, steal from the job's other GPUs (take.lua).
-        Nothing when the job's GPU selection does not allow `gpu`, nor while dispatch is held
-        (the job's batches can go nowhere, or Redis is near its maxmemory), nor, at the very end
-        of the run, on a GPU measurably slower than others that are alive and will free a slot
-        sooner (take.lua; a heartbeat older than `alive_s` is not alive). Returns the ids taken."""
-        k = JobKeys(job)
-        ids = self._scripts["take"](keys=[k.config, k.pending, k.inflight(gpu), k.gpus, queue_for(gpu),
-                                          k.hold, MEMORY_HOLD, k.speed, WORKERS_SEEN, WORKERS,
-                                          BREAKERS, k.migrating],
-                                    args=[window, job, gpu, task, origin, reply_to, k.inflight(""),
-                                          alive_s, MIGRATIONS, k.retrying("")])
-        return [i.decode() if isinstance(i, bytes) else i for i in ids]
+    # -- a prompt's task -------------------------------------------------------------------------
 
     def task_state(self, job: str, prompt_id: str, gpu: str) -> TaskState:
         k = JobKeys(job)
@@ -196,12 +175,13 @@ class Ledger:
         pipe = self.r.pipeline(transaction=False)
         for ended, entry, continued_tokens in items:
             out = ended.completion_tokens
-            self._scripts["reopen"](
-                keys=[k.done, k.prompts, k.pending, k.counters, k.ended(ended.finish_reason),
-                      k.config, k.superseding],
-                args=[ended.id, entry, ended.prompt_tokens, out, ended.finish_reason, ended.gpu,
-                      out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, continued_tokens,
-                      ended.indexed, ended.entry], client=pipe)
+            REOPEN(pipe, done=k.done, prompts=k.prompts, pending=k.pending, counters=k.counters,
+                   ended=k.ended(ended.finish_reason), config=k.config,
+                   superseding=k.superseding, id=ended.id, entry=entry,
+                   input_tokens=ended.prompt_tokens, output_tokens=out,
+                   finish_reason=ended.finish_reason, gpu=ended.gpu,
+                   hist_bucket=out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS,
+                   continued_tokens=continued_tokens, indexed=ended.indexed, place=ended.entry)
         return [bool(done) for done in pipe.execute()]
 
     def ended_count(self, job: str, reason: str) -> tuple[int, int]:
@@ -232,53 +212,6 @@ class Ledger:
                 yield EndedRow(_s(prompt_id), reason, int(prompt_tokens), int(completion_tokens),
                                gpu, entry, prompt if prompts else None, head.decode())
 
-    def migration_target(self, job: str, prompt_id: str, gpu: str) -> str | None:
-        """The GPU take.lua ordered this prompt's generation on `gpu` moved to, if any."""
-        order = self.r.hget(JobKeys(job).migrating, prompt_id)
-        if order is None:
-            return None
-        source, target, _ = order.decode().split(" ")
-        return target if source == gpu else None
-
-    def hand_over(self, job: str, prompt_id: str, source: str, target: str | None,
-                  entry: bytes, tokens: int) -> bool:
-        """Move a generation aborted on `source` to `target` (None: the front of pending), its
-        entry now the one that goes on from its partial output (hand_over.lua). False when the
-        order changed or the prompt left `source` meanwhile (nothing moved)."""
-        k = JobKeys(job)
-        return bool(self._scripts["hand_over"](
-            keys=[k.migrating, k.inflight(source), k.inflight(target or source), k.prompts,
-                  k.pending, k.counters, k.config],
-            args=[prompt_id, entry, source, target or "", tokens]))
-
-    def migrations(self, gpu: str, timeout_s: float) -> tuple[str, str] | None:
-        """The next (job, prompt id) whose generation on `gpu` is to be handed over, waiting up
-        to timeout_s for one (take.lua pushes them)."""
-        got = self.r.blpop([MIGRATIONS + gpu], timeout=timeout_s)
-        if got is None:
-            return None
-        job, _, prompt_id = got[1].decode().partition("\n")
-        return job, prompt_id
-
-    def recall(self, job: str, gpu: str, ids: Sequence[str] = ()) -> int:
-        """Put prompts in flight on `gpu` (`ids`, or all) back in front of pending (recall.lua)."""
-        k = JobKeys(job)
-        return int(self._scripts["recall"](keys=[k.inflight(gpu), k.pending, k.done], args=list(ids)))
-
-    def drop_settled(self, job: str, gpu: str, prompt_id: str) -> bool:
-        """Take a prompt that has its outcome (done, failed) or left the job out of gpu's
-        in-flight set, checked in the same step (drop_settled.lua): one taken back and
-        dispatched here again since the caller looked keeps its fresh entry. True when removed."""
-        k = JobKeys(job)
-        return bool(self._scripts["drop_settled"](
-            keys=[k.inflight(gpu), k.done, k.failed, k.prompts], args=[prompt_id]))
-
-    def restamp_inflight(self, job: str, gpu: str, ids: Sequence[str], at: float) -> None:
-        """Dispatched again now (the reaper): their in-flight time restarts; an id that left the
-        set meanwhile (its outcome arrived) is not put back."""
-        if ids:
-            self.r.zadd(JobKeys(job).inflight(gpu), {i: at for i in ids}, xx=True)
-
     # -- outcomes --------------------------------------------------------------------------------
 
     def complete(self, job: str, prompt_id: str, gpu: str, row: dict, *,
@@ -291,8 +224,6 @@ class Ledger:
         meta = row["metadata"]
         out = int(meta["completion_tokens"])
         reason = meta["finish_reason"]
-        keys = [k.done, k.inflight(gpu), k.prompts, k.failed, k.counters, k.rate, k.output,
-                k.pending, k.config, k.gpus, k.ended(reason), k.speed, k.superseding, k.superseded]
         # Its prompt, kept in the index for a regenerate that reads no batch (a few KB at most,
         # compressed, for a fifth of the rows at the real run's figures: docs/ARCHITECTURE.md;
         # about 20 bytes when its text stays on storage): the entry as read, or the row's
@@ -305,15 +236,23 @@ class Ledger:
         # fast the GPU decodes (prefill and the round trip dominate it) does not move its speed.
         made = out - int(meta.get("continued_tokens") or 0)
         speed = f"{made / latency:.1f}" if made >= SPEED_MIN_TOKENS and latency > 0 else ""
-        args = [prompt_id, json.dumps(row, ensure_ascii=False, separators=(",", ":")),
-                int(meta["prompt_tokens"]), out, reason, gpu, rate_bucket_s,
-                out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS, k.inflight(""), prompt, speed]
+        named = dict(
+            done=k.done, inflight=k.inflight(gpu), prompts=k.prompts, failed=k.failed,
+            counters=k.counters, rate=k.rate, output=k.output, pending=k.pending,
+            config=k.config, gpus=k.gpus, ended=k.ended(reason), speed=k.speed,
+            superseding=k.superseding, superseded=k.superseded, id=prompt_id,
+            row=json.dumps(row, ensure_ascii=False, separators=(",", ":")),
+            input_tokens=int(meta["prompt_tokens"]), output_tokens=out, finish_reason=reason,
+            gpu=gpu, rate_bucket_s=rate_bucket_s,
+            hist_bucket=out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS,
+            inflight_prefix=k.inflight(""), prompt=prompt, tokens_per_s=speed,
+            speed_weight=self.speed_weight)
         if not self.wait_replicas:
-            return bool(self._scripts["complete"](keys=keys, args=args))
+            return bool(COMPLETE(self.r, **named))
         # WAIT counts the replicas that have the writes of its own connection: in one pipeline
         # with the script, or it could prove nothing about this row.
         pipe = self.r.pipeline(transaction=False)
-        self._scripts["complete"](keys=keys, args=args, client=pipe)
+        COMPLETE(pipe, **named)
         pipe.wait(self.wait_replicas, self.wait_timeout_ms)
         recorded, replicas = pipe.execute()
         self._check_replicas(replicas, f"prompt {prompt_id}'s row")
@@ -322,35 +261,37 @@ class Ledger:
     def fail(self, job: str, prompt_id: str, gpu: str, record: dict) -> bool:
         """Enter a prompt in the failed registry. False when it was done or already failed."""
         k = JobKeys(job)
-        return bool(self._scripts["fail"](
-            keys=[k.done, k.inflight(gpu), k.failed, k.counters, k.failures, k.pending, k.config,
-                  k.gpus],
-            args=[prompt_id, json.dumps(record, ensure_ascii=False), gpu, k.inflight("")]))
+        return bool(FAIL(self.r, done=k.done, inflight=k.inflight(gpu), failed=k.failed,
+                         counters=k.counters, failures=k.failures, pending=k.pending,
+                         config=k.config, gpus=k.gpus, id=prompt_id,
+                         record=json.dumps(record, ensure_ascii=False), gpu=gpu,
+                         inflight_prefix=k.inflight("")))
 
     def note_retry(self, job: str, prompt_id: str, gpu: str, reason: str, due: float) -> bool:
         """Count a retry, refresh the prompt's in-flight mark and record it as waiting until
         `due` (Unix time). False when it is already done."""
         k = JobKeys(job)
-        return bool(self._scripts["retry"](
-            keys=[k.done, k.inflight(gpu), k.counters, k.config, k.retrying(gpu)],
-            args=[prompt_id, reason, gpu, due]))
+        return bool(RETRY(self.r, done=k.done, inflight=k.inflight(gpu), counters=k.counters,
+                          config=k.config, retrying=k.retrying(gpu), id=prompt_id, reason=reason,
+                          gpu=gpu, due=due))
 
     def requeue_failed(self, job: str, records: Sequence[tuple[str, str]]) -> tuple[int, int]:
         """Move failed prompts, given as (id, registry record exactly as read), back to the
         front of pending. Returns (moved, missing); see requeue_failed.lua."""
         k = JobKeys(job)
-        argv = [x for pair in records for x in pair]
-        moved, missing = self._scripts["requeue_failed"](
-            keys=[k.config, k.failed, k.pending, k.done, k.prompts, k.counters], args=argv)
+        moved, missing = REQUEUE_FAILED(self.r, config=k.config, failed=k.failed,
+                                        pending=k.pending, done=k.done, prompts=k.prompts,
+                                        counters=k.counters,
+                                        items=[x for pair in records for x in pair])
         return int(moved), int(missing)
 
     def finish(self, job: str) -> str:
         """Mark a running job done if, in this very step, every prompt has its outcome and
         nothing waits anywhere (finish.lua). Returns "done", or what still holds it."""
         k = JobKeys(job)
-        return _s(self._scripts["finish"](
-            keys=[k.config, k.counters, k.pending, k.output, k.sealing, k.gpus],
-            args=[k.inflight("")]))
+        return _s(FINISH(self.r, config=k.config, counters=k.counters, pending=k.pending,
+                         output=k.output, sealing=k.sealing, gpus=k.gpus,
+                         inflight_prefix=k.inflight("")))
 
     def transition(self, job: str, expect: str, status: str) -> bool:
         """Set the job's status to `status` only if it is still `expect`: a command checked
@@ -365,34 +306,18 @@ class Ledger:
         """Write `changes` into the job's config only if each field in `expect` still holds one
         of its values ("" for absent), in one step (update_job.lua). Returns {} when written,
         else {field: its value now} for each field that differed (nothing is written then)."""
-        argv: list = [len(expect)]
+        fields: list = []
         for field, allowed in expect.items():
-            argv += [field, json.dumps(list(allowed))]
+            fields += [field, json.dumps(list(allowed))]
         for field, value in changes.items():
-            argv += [field, value]
-        wrong = self._scripts["update_job"](keys=[JobKeys(job).config], args=argv)
+            fields += [field, value]
+        wrong = UPDATE_JOB(self.r, config=JobKeys(job).config, checked=len(expect), fields=fields)
         return {_s(wrong[i]): _s(wrong[i + 1]) for i in range(0, len(wrong), 2)}
 
     def failed_records(self, job: str) -> Iterable[tuple[str, str]]:
         """(id, raw record JSON) for every prompt in the failed registry, by HSCAN."""
         for prompt_id, raw in self.r.hscan_iter(JobKeys(job).failed, count=1000):
             yield _s(prompt_id), _s(raw)
-
-    def record_batch(self, job: str, name: str, record: dict, stats: dict[str, int] | None = None) -> bool:
-        """Enter a batch in the manifest; `stats` (counter -> increment) is added with it, once."""
-        k = JobKeys(job)
-        extra = [x for field, inc in (stats or {}).items() for x in (field, int(inc))]
-        return bool(self._scripts["record_batch"](keys=[k.manifest, k.counters],
-                                                  args=[name, json.dumps(record), record["bytes"], *extra]))
-
-    def ship_spooled(self, job: str, name: str, spooled: str, shipped: str,
-                     counts: dict[str, int]) -> bool:
-        """A spooled batch is in the storage now: its manifest record `spooled` (as read)
-        becomes `shipped`, and `counts` are added, once (ship_spooled.lua)."""
-        k = JobKeys(job)
-        extra = [x for field, inc in counts.items() for x in (field, int(inc))]
-        return bool(self._scripts["ship_spooled"](keys=[k.manifest, k.counters],
-                                                  args=[name, spooled, shipped, *extra]))
 
     def replicate_sealing(self, job: str, intent: str) -> None:
         """Before a batch ships, with wait_replicas: wait until the replicas have every write so
@@ -432,36 +357,6 @@ class Ledger:
                         "a failover now could lose it; is a replica down or behind?", what,
                         replicas, self.wait_replicas, self.wait_timeout_ms)
 
-    def drop_sealed(self, job: str, entry_ids: Sequence[bytes | str], nbytes: int) -> int:
-        """Remove a shipped batch's entries (their rows: `nbytes`, each with its newline) from
-        the output stream, with their share of the unsealed counters (drop_sealed.lua)."""
-        k = JobKeys(job)
-        return int(self._scripts["drop_sealed"](keys=[k.output, k.counters],
-                                                args=[nbytes, *entry_ids]))
-
-    def clear_sealing(self, job: str, intent: str) -> bool:
-        """Clear the job's sealing intent if it is still `intent` (batches.py's last step)."""
-        return bool(self._scripts["clear_sealing"](keys=[JobKeys(job).sealing], args=[intent]))
-
-    # -- workers ---------------------------------------------------------------------------------
-
-    def claim_gpu(self, gpu: str, registration: str, fresh_s: float, *,
-                  release: bool = False) -> str:
-        """Register this worker for `gpu` and stamp its heartbeat, unless another holds the name
-        with a heartbeat younger than fresh_s (claim_gpu.lua); with `release`, remove the stamp
-        if it is ours. Returns "" when done, else the holder's registration JSON."""
-        return _s(self._scripts["claim_gpu"](
-            keys=[WORKERS, WORKERS_SEEN],
-            args=[queue_for(gpu), registration, fresh_s, "release" if release else "claim"]))
-
-    # -- training runs ---------------------------------------------------------------------------
-
-    def set_train_run_if(self, run_key: str, args: list) -> str | None:
-        """train_run_set.lua on a run's hash (training/queue/runs.py builds `args`): the status
-        the run had, or None when it was not in an allowed state or not owned as required."""
-        old = self._scripts["train_run_set"](keys=[run_key], args=args)
-        return old.decode() if old else None
-
     # -- reading ---------------------------------------------------------------------------------
 
     def counters(self, job: str) -> dict[str, int]:
@@ -475,7 +370,8 @@ def _s(value: bytes | str) -> str:
 
 def ledger_for(r: redis.Redis, s: Settings) -> Ledger:
     """A Ledger on r that waits for s's replicas."""
-    return Ledger(r, wait_replicas=s.redis_wait_replicas, wait_timeout_ms=s.redis_wait_timeout_ms)
+    return Ledger(r, wait_replicas=s.redis_wait_replicas, wait_timeout_ms=s.redis_wait_timeout_ms,
+                  speed_weight=s.speed_average_weight)
 
 
 @lru_cache(maxsize=1)

@@ -56,6 +56,7 @@ from dflash_tasks.core.keys import JobKeys
 from dflash_tasks.core.locks import HeldLock
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger import Ledger, entry_order
+from dflash_tasks.output import sealing
 from dflash_tasks.output.storage import Storage, StorageError
 
 if TYPE_CHECKING:  # spool.py imports this module (batch names); the writer is given a Spool
@@ -238,7 +239,7 @@ class BatchWriter:
             lock.still_held()
             record, stats = self._store(job, record, stats, data)
             lock.still_held()
-            if self.book.record_batch(job, name, record, stats=stats) and self.on_sealed:
+            if sealing.record_batch(self.r, job, name, record, stats=stats) and self.on_sealed:
                 self.on_sealed(job, [(entry_id.decode(), row)
                                      for (entry_id, _), row in zip(entries, rows)])
             if self.spool is not None and record["location"] != SPOOLED:
@@ -255,9 +256,9 @@ class BatchWriter:
             self._write_manifest_or_note(job)
         if entries:  # one call: the batch's rows leave the stream all together
             lock.still_held()
-            self.book.drop_sealed(job, [entry_id for entry_id, _ in entries],
-                                  sum(len(fields[b"row"]) + 1 for _, fields in entries))
-        self.book.clear_sealing(job, raw_intent)
+            sealing.drop_sealed(self.r, job, [entry_id for entry_id, _ in entries],
+                                sum(len(fields[b"row"]) + 1 for _, fields in entries))
+        sealing.clear_sealing(self.r, job, raw_intent)
         return name
 
     def _build(self, job: str, name: str, rows: list[bytes]) -> tuple[bytes, dict, dict, list[dict]]:
@@ -346,7 +347,7 @@ class BatchWriter:
                 if getattr(self.storage, "is_remote", False):
                     counts.update(s3_uploaded=1, s3_bytes=record["bytes"])
                 lock.still_held()
-                self.book.ship_spooled(job, name, raw.decode(), json.dumps(shipped), counts)
+                sealing.ship_spooled(self.r, job, name, raw.decode(), json.dumps(shipped), counts)
                 log.info("job %s: shipped %s from the spool to %s", job, name, shipped["location"])
             done.append(name)
         # A file leaves the spool only once its manifest record says "in the storage" on the

@@ -47,7 +47,7 @@ from celery.exceptions import Reject, Retry
 from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.core.keys import GENERATE_TASK, queue_for
 from dflash_tasks.core.settings import get_settings
-from dflash_tasks.dispatch import publish, topup
+from dflash_tasks.dispatch import publish, topup, window
 from dflash_tasks.ledger import bodies
 from dflash_tasks.ledger.messages import compress_messages_json, decode_messages
 from dflash_tasks.output.rows import build_row
@@ -133,13 +133,13 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
     # An outcome already there: the prompt leaves this GPU's in-flight set, unless it came back
     # and was dispatched here again since the read (drop_settled checks in the same step).
     if state.done:
-        book.drop_settled(job, gpu, prompt_id)
+        window.drop_settled(book.r, job, gpu, prompt_id)
         return {"id": prompt_id, "skipped": "already done"}
     if state.failed:
-        book.drop_settled(job, gpu, prompt_id)
+        window.drop_settled(book.r, job, gpu, prompt_id)
         return {"id": prompt_id, "skipped": "in the failed registry (see retry-failed)"}
     if not state.stored or state.params is None:
-        book.drop_settled(job, gpu, prompt_id)
+        window.drop_settled(book.r, job, gpu, prompt_id)
         return {"id": prompt_id, "skipped": "not pending (job removed)"}
     if not state.in_flight_here:
         # Recalled from this GPU (a cancel, a GPU the job no longer uses, this worker given up
@@ -287,14 +287,14 @@ def _hand_over(job: str, prompt_id: str, gpu: str, messages: list[dict], partial
     row made there counts each token once and names every GPU that worked on it. None when the
     abort was neither (it is retried as before)."""
     book, stopping = runtime().book, runtime().shutdown.requested()
-    target = None if stopping else book.migration_target(job, prompt_id, gpu)
+    target = None if stopping else window.migration_target(book.r, job, prompt_id, gpu)
     if target is None and not stopping:
         return None
     entry = entry_from_partial(messages, partial, gpu, params.enable_thinking)
     tokens = partial.completion_tokens - partial.continued_tokens
     frame = compress_messages_json(json.dumps(entry, separators=(",", ":")).encode())
-    if not durable("handing the generation over", book.hand_over, job, prompt_id, gpu, target,
-                   frame, tokens):
+    if not durable("handing the generation over", window.hand_over, book.r, job, prompt_id, gpu,
+                   target, frame, tokens):
         return {"id": prompt_id, "skipped": "no longer in flight here: not handed over"}
     runtime().settings.failpoint("generate.after_hand_over")
     if target is not None:

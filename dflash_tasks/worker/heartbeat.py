@@ -3,7 +3,7 @@ as events, not as Redis state, so each GPU worker stamps `dflash:workers:seen` (
 server time) from a daemon thread. A worker that is killed stops stamping; one stopped cleanly
 removes its stamp. Readers compare the stamp with Redis time, so the nodes' clocks never matter.
 
-Every stamp is a claim of the GPU's name (ledger/claim_gpu.lua): a worker registers only while
+Every stamp is a claim of the GPU's name (lua/claim_gpu.lua): a worker registers only while
 no other worker (another host, or another live process) holds the name with a fresh heartbeat,
 so two nodes started with the same DFLASH_NODE cannot share, and drain, each other's queues."""
 from __future__ import annotations
@@ -18,9 +18,12 @@ from typing import Callable
 
 import redis
 
+from dflash_tasks.core.keys import WORKERS, WORKERS_SEEN, queue_for
+from dflash_tasks.core.scripts import Script
 from dflash_tasks.ledger import Ledger
 
 log = logging.getLogger(__name__)
+CLAIM_GPU = Script(__file__, "claim_gpu")
 # A heartbeat younger than this many periods holds the GPU's name (progress.py's ALIVE_PERIODS).
 FRESH_PERIODS = 3
 
@@ -48,6 +51,17 @@ def _holder_is_dead(holder: dict) -> bool:
     return False
 
 
+def claim_gpu(r: redis.Redis, gpu: str, registration: str, fresh_s: float, *,
+              release: bool = False) -> str:
+    """Register this worker for `gpu` and stamp its heartbeat, unless another holds the name
+    with a heartbeat younger than fresh_s (claim_gpu.lua); with `release`, remove the stamp if
+    it is ours. Returns "" when done, else the holder's registration JSON."""
+    held = CLAIM_GPU(r, workers=WORKERS, seen=WORKERS_SEEN, gpu=queue_for(gpu),
+                     registration=registration, fresh_s=fresh_s,
+                     mode="release" if release else "claim")
+    return held.decode() if isinstance(held, bytes) else held
+
+
 def claim(book: Ledger, gpu: str, registration: str, interval_s: float,
           sleep: Callable[[float], None] = time.sleep) -> None:
     """Register this worker for `gpu` and stamp its heartbeat. A holder that stops stamping
@@ -56,12 +70,12 @@ def claim(book: Ledger, gpu: str, registration: str, interval_s: float,
     fresh_s = FRESH_PERIODS * interval_s
     deadline = time.monotonic() + fresh_s + interval_s
     while True:
-        holder_raw = book.claim_gpu(gpu, registration, fresh_s)
+        holder_raw = claim_gpu(book.r, gpu, registration, fresh_s)
         if not holder_raw:
             return
         holder = json.loads(holder_raw)
         if _holder_is_dead(holder):
-            book.claim_gpu(gpu, registration, -1)
+            claim_gpu(book.r, gpu, registration, -1)
             return
         if time.monotonic() > deadline:
             me = json.loads(registration)
@@ -80,7 +94,7 @@ def run(book: Ledger, gpu: str, registration: str, interval_s: float, stop: thre
     heartbeat), on_taken(holder) is told, once, and stamping stops."""
     while True:
         try:
-            holder = book.claim_gpu(gpu, registration, FRESH_PERIODS * interval_s)
+            holder = claim_gpu(book.r, gpu, registration, FRESH_PERIODS * interval_s)
             if holder:
                 on_taken(holder)
                 return
@@ -94,6 +108,6 @@ def clear(book: Ledger, registrations: dict[str, str]) -> None:
     """A clean shutdown removes the stamps it still owns, so the GPUs read as not alive at once."""
     for gpu, registration in registrations.items():
         try:
-            book.claim_gpu(gpu, registration, 0, release=True)
+            claim_gpu(book.r, gpu, registration, 0, release=True)
         except redis.exceptions.RedisError:
             pass

@@ -1,7 +1,7 @@
 """A GPU worker's side of moving a generation to a faster GPU (the end game, take.lua): a daemon
 thread pops the generations take.lua ordered moved off this GPU and aborts each one's request
 on the server. The request's own task then receives the partial output and hands it over
-(tasks/generate.py, ledger/hand_over.lua). An order for a request not running here (finished
+(tasks/generate.py, dispatch/lua/hand_over.lua). An order for a request not running here (finished
 meanwhile, waiting for a retry) is dropped: the order lapses, and nothing is lost."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import threading
 
 import redis
 
+from dflash_tasks.dispatch import window
 from dflash_tasks.ledger import Ledger
 from dflash_tasks.worker.shutdown import Shutdown
 
@@ -21,7 +22,7 @@ def run(book: Ledger, gpu: str, running: Shutdown, stop: threading.Event) -> Non
     """Until `stop`: abort the requests of the generations ordered moved off `gpu`."""
     while not stop.is_set():
         try:
-            order = book.migrations(gpu, POLL_S)
+            order = window.migrations(book.r, gpu, POLL_S)
         except redis.exceptions.RedisError as exc:
             log.debug("%s: migrations not read (%s)", gpu, exc)
             stop.wait(POLL_S)

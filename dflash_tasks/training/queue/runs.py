@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 import redis
 
 from dflash_tasks.core.keys import TRAIN_RUNS, check_job_name, train_run, train_seq
-from dflash_tasks.ledger import Ledger
+from dflash_tasks.core.scripts import Script
 
 WAITING, QUEUED, RUNNING = "waiting", "queued", "running"
 DONE, FAILED, REFUSED, CANCELLED = "done", "failed", "refused", "cancelled"
 FINAL = (DONE, FAILED, REFUSED, CANCELLED)
+TRAIN_RUN_SET = Script(__file__, "train_run_set")
 
 _JSON_FIELDS = ("spec", "metrics", "log_tail", "checkpoints", "uploaded", "gate", "smoke",
                 "evals")
@@ -134,10 +135,12 @@ def update(r: redis.Redis, name: str, *, owner: str | None = None, **fields) -> 
 
 def _set_if(r: redis.Redis, name: str, allowed: str, owner: str, new: str,
             fields: dict) -> str | None:
-    args = [allowed, owner, new]
-    for k, v in fields.items():
-        args += [k, _encode(v)]
-    return Ledger(r).set_train_run_if(train_run(name), args)
+    """train_run_set.lua on the run's hash: the status it had, or None when it was not in an
+    allowed state or not owned as required."""
+    pairs = [x for k, v in fields.items() for x in (k, _encode(v))]
+    old = TRAIN_RUN_SET(r, run=train_run(name), statuses=allowed, owner=owner, status=new,
+                        fields=pairs)
+    return old.decode() if old else None
 
 
 def redis_now(r: redis.Redis) -> float:

@@ -1,0 +1,166 @@
+"""Steering a job while it runs: list jobs, pause, resume, cancel, delete, change its parameters.
+Each command asks the lifecycle (dflash_tasks.core.lifecycle) whether the job's state allows it."""
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from dflash_tasks.cli.common import (
+    allowed_or_fail,
+    change_state,
+    changed_meanwhile,
+    console,
+    generation_options,
+    job_option,
+    job_or_fail,
+    redis_or_fail,
+)
+from dflash_tasks.core import jobs, lifecycle
+from dflash_tasks.core.settings import get_settings
+
+
+@click.command("jobs")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable: a list of jobs.")
+def list_jobs(as_json: bool) -> None:
+    """Every job with its status, progress and where its batches go."""
+    import json
+
+    from dflash_tasks.ledger import shared_ledger
+
+    r = redis_or_fail()
+    listed = []
+    for name in jobs.names(r):
+        job = jobs.load(r, name)
+        if job is None:  # deleted since it was listed
+            continue
+        c = shared_ledger().counters(name)
+        listed.append({"job": name, "status": job.status, "completed": c.get("completed", 0),
+                       "total": c.get("total", 0), "failed": c.get("failed", 0),
+                       "max_tokens": job.params.max_tokens, "gpus": job.selection.describe(),
+                       "output": job.output or get_settings().output_location()})
+    if as_json:
+        click.echo(json.dumps(listed, indent=1))
+        return
+    table = Table("job", "status", "done", "total", "failed", "max_tokens", "gpus")
+    table.add_column("output", overflow="fold")  # a path is read whole, not cut
+    for j in listed:
+        table.add_row(j["job"], j["status"], f"{j['completed']:,}", f"{j['total']:,}",
+                      f"{j['failed']:,}", str(j["max_tokens"]), j["gpus"], j["output"])
+    console.print(table)
+
+
+@click.command()
+@job_option
+def pause(name: str) -> None:
+    """Stop dispatching the job's prompts; requests in flight finish and are kept."""
+    r = redis_or_fail()
+    change_state(r, "pause", job_or_fail(r, name))
+    console.print(f"job {name}: paused (requests in flight finish; `resume` continues)")
+
+
+@click.command()
+@job_option
+def resume(name: str) -> None:
+    """Dispatch the job's prompts again."""
+    from dflash_tasks import dispatch
+    from dflash_tasks.ledger import shared_ledger
+    from dflash_tasks.tasks.app import app
+
+    r = redis_or_fail()
+    job = job_or_fail(r, name)
+    change_state(r, "resume", job)
+    book, s = shared_ledger(), get_settings()
+    now = jobs.load(r, name)  # None: deleted since (by a command that came after)
+    sent = dispatch.topup_all(app, book, s, now) if now is not None else 0
+    console.print(f"job {name}: running ({sent} prompts dispatched now)")
+
+
+@click.command()
+@job_option
+@click.confirmation_option(prompt="Cancel this job? Nothing more is dispatched (resume can finish it later)")
+def cancel(name: str) -> None:
+    """Stop dispatching the job for good; rows already made are kept, and the prompts never
+    generated stay counted (`resume` finishes them, `delete` removes the job)."""
+    from dflash_tasks import dispatch
+    from dflash_tasks.ledger import shared_ledger
+
+    r = redis_or_fail()
+    change_state(r, "cancel", job_or_fail(r, name))
+    never = dispatch.withdraw_cancelled(shared_ledger(), name)
+    console.print(f"job {name}: cancelled; {never:,} prompts were never generated "
+                  f"(`manage.py resume --job {name}` generates them, `delete` removes the job)")
+
+
+@click.command("set")
+@job_option
+@generation_options(shown_defaults=False)
+def set_params(name: str, max_output_tokens, temperature, top_p, top_k, thinking) -> None:
+    """Change the job's generation parameters for every prompt not yet sent to a server,
+    without stopping workers or servers. What is not given keeps the job's current value."""
+    from dflash_tasks.core.lifecycle import TRANSITIONS
+    from dflash_tasks.ledger import shared_ledger
+
+    r = redis_or_fail()
+    job = job_or_fail(r, name)
+    allowed_or_fail("set", job)
+    old = job.params
+    try:
+        new = old.replace(max_tokens=max_output_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k, enable_thinking=thinking)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    get_settings().failpoint("set.before_apply")
+    # Compare and set against the parameters read above, so a concurrent command (another set,
+    # an enqueue with parameters) is never overwritten; any state set is allowed in will do.
+    wrong = shared_ledger().update_job(name, {**job.as_read("params"), "status": TRANSITIONS["set"]},
+                                       {"params": new.stored()})
+    if wrong:
+        raise click.ClickException(f"{changed_meanwhile(name, job.stored, wrong)}; nothing was changed: run "
+                                   "the command again")
+    for field in ("max_tokens", "temperature", "top_p", "top_k", "enable_thinking"):
+        before, after = getattr(old, field), getattr(new, field)
+        mark = "  (changed)" if before != after else ""
+        console.print(f"{field:16} {before} -> {after}{mark}")
+
+
+@click.command()
+@job_option
+@click.confirmation_option(prompt="Remove this job and all its prompts from Redis?")
+def delete(name: str) -> None:
+    """Remove a job (not running) and every Redis key it has, and its prompt bodies kept on
+    storage (`enqueue --bodies storage`); batches already shipped stay in the output directory
+    or bucket."""
+    from dflash_tasks.ledger.bodies import remove_chunks
+    from dflash_tasks.output.spool import Spool
+    from dflash_tasks.output.storage import StorageError, storage_at
+
+    r = redis_or_fail()
+    job = job_or_fail(r, name)
+    allowed_or_fail("delete", job)
+    # The chunks first: a storage that does not answer leaves the job as it was, to delete again.
+    # (The job is paused or cancelled: nothing reads a chunk meanwhile.)
+    location = jobs.body_location(r, name)
+    chunks = 0
+    if location is not None:
+        try:
+            chunks = remove_chunks(storage_at(location, get_settings()), name)
+        except StorageError as exc:
+            raise click.ClickException(f"job {name}: its prompt chunks under {location} could not "
+                                       f"be removed ({exc}); nothing was deleted: run delete again "
+                                       "when the storage answers") from None
+    spooled = int(r.hget(job.keys.counters, "spooled") or 0)
+    try:  # compare and delete: a resume since it was read keeps the job
+        removed = jobs.delete(r, name, allowed=lifecycle.TRANSITIONS["delete"])
+    except (ValueError, jobs.JobDeleted) as exc:
+        raise click.ClickException(f"{exc}; nothing was deleted") from None
+    console.print(f"job {name}: deleted ({removed} Redis keys); its shipped batches are kept")
+    # Batches beat spooled during an S3 outage and never shipped: their rows leave with the job.
+    spool = Spool(get_settings().spool_path())
+    gone = spool.remove_job(name)
+    if gone:
+        console.print(f"job {name}: {gone:,} batches removed from the spool {spool.root}")
+    elif spooled:
+        console.print(f"job {name}: {spooled:,} batches of it were in beat's spool, not on this "
+                      f"machine: remove {spool.root / name} on beat's machine")
+    if location is not None:
+        console.print(f"job {name}: {chunks:,} chunks of prompt bodies removed from {location}")

@@ -1,0 +1,136 @@
+"""The long-running processes: a GPU worker or the training worker, beat with its control
+worker, Flower."""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from dflash_tasks.cli.common import err_console
+from dflash_tasks.core.keys import CONTROL_QUEUE, TRAIN_QUEUE, check_node_name, gpu_name
+from dflash_tasks.core.settings import get_settings, redact_url
+
+# -- processes ----------------------------------------------------------------------------------
+
+def celery_argv(args: list[str]) -> list[str]:
+    return ["celery", "-A", "dflash_tasks", *args]
+
+
+def _exec_celery(args: list[str]) -> None:
+    """Replace this process with Celery's, so signals (TERM for a warm shutdown) reach it."""
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", *celery_argv(args)])
+
+
+class _OneRole(click.Command):
+    """A worker is a GPU's (--gpu) or the training worker (--queue train), checked when the
+    arguments are parsed (so a deployment file's typo is caught without starting anything)."""
+
+    def parse_args(self, ctx, args):
+        rest = super().parse_args(ctx, args)
+        if (ctx.params.get("gpu") is None) == (ctx.params.get("queue") is None):
+            raise click.UsageError("pass --gpu I (a generation worker) or --queue train (the "
+                                   "training worker)", ctx)
+        if ctx.params.get("queue") and ctx.params.get("concurrency") not in (None, 1):
+            raise click.UsageError("the training worker runs one training at a time: "
+                                   "--concurrency 1", ctx)
+        return rest
+
+
+@click.command(cls=_OneRole)
+@click.option("--gpu", type=click.IntRange(min=0),
+              help="This node's GPU I: consumes the queue gpuI@NODE (the GPU's name).")
+@click.option("--node", help="This node's name, unique in the deployment.",
+              show_default="DFLASH_NODE, else the host's short name")
+@click.option("--queue", type=click.Choice([TRAIN_QUEUE]),
+              help="train: the training worker (one run at a time; manage.py train queues runs).")
+@click.option("--sglang-url", help="This GPU's SGLang server.",
+              show_default="http://127.0.0.1:{30000+I}")
+@click.option("--concurrency", type=click.IntRange(min=1),
+              help="Requests in flight.",
+              show_default="the server's max_running_requests plus a margin")
+@click.option("--loglevel", default="INFO", show_default=True,
+              help="Celery's log level: DEBUG, INFO, WARNING, ERROR.")
+def worker(gpu: int | None, node: str | None, queue: str | None, sglang_url: str | None,
+           concurrency: int | None, loglevel: str) -> None:
+    """A Celery worker pinned to one GPU's queue and server (--gpu), or the training worker
+    (--queue train)."""
+    from dflash_tasks.sglang import SGLangClient, SGLangError
+
+    if queue == TRAIN_QUEUE:
+        # Threads, not prefork: the run executes in this process, so a warm shutdown (TERM)
+        # reaches it at once and it hands itself back to the queue from its last checkpoint.
+        _exec_celery(["worker", "-Q", TRAIN_QUEUE, "-n", f"{TRAIN_QUEUE}@%h", "-P", "threads", "-c", "1",
+                      "--without-gossip", "--without-mingle", "--loglevel", loglevel])
+
+    if node is not None:
+        try:
+            check_node_name(node)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--node") from None
+        os.environ["DFLASH_NODE"] = node  # the worker's own settings name the same node
+    if sglang_url:
+        os.environ["DFLASH_SGLANG_URL"] = sglang_url
+    get_settings.cache_clear()
+    name = gpu_name(get_settings().node, gpu)
+    url = get_settings().sglang_url_for(name)
+    if concurrency is None:
+        client = SGLangClient(url)
+        err_console.print(f"{name}: waiting for {redact_url(url)}/health ...")
+        while not client.wait_healthy(timeout_s=60):
+            err_console.print(f"{name}: {redact_url(url)} not healthy yet, still waiting")
+        try:
+            slots = int(client.server_info().get("max_running_requests") or 0)
+        except (SGLangError, ValueError, TypeError):
+            slots = 0
+        client.close()
+        # A quarter more than the decode slots, so a slot freed while a thread writes its row
+        # is taken by a request already waiting in the server's queue, even through a pause of
+        # the worker process (GC, a busy CPU): benchmarks/RESULTS.md, case 3.
+        concurrency = slots + max(4, slots // 4) if slots else get_settings().default_concurrency
+        err_console.print(f"{name}: server has {slots or 'unknown'} decode slots; "
+                          f"concurrency {concurrency}")
+    # The GPU's queue and its Celery worker bear the GPU's name (unique in the deployment).
+    _exec_celery(["worker", "-Q", name, "-n", name, "-P", "threads",
+                  "-c", str(concurrency), "--without-gossip", "--without-mingle",
+                  "--loglevel", loglevel])
+
+
+@click.command()
+@click.option("--loglevel", default="INFO", show_default=True,
+              help="Celery's log level: DEBUG, INFO, WARNING, ERROR.")
+def beat(loglevel: str) -> None:
+    """Celery beat with a small worker for its `control` queue (progress.json, batches, refills).
+    Run one per deployment; a second one by mistake corrupts nothing (locks, idempotent ticks)."""
+    _exec_celery(beat_args(loglevel))
+
+
+def beat_args(loglevel: str = "INFO") -> list[str]:
+    """Celery's arguments for beat and its control worker."""
+    schedule = get_settings().output_dir / "celerybeat-schedule"
+    schedule.parent.mkdir(parents=True, exist_ok=True)
+    return ["worker", "-B", "-s", str(schedule), "-Q", CONTROL_QUEUE, "-n", f"{CONTROL_QUEUE}@%h",
+            "-P", "threads", "-c", "4", "--without-gossip", "--without-mingle",
+            "--loglevel", loglevel]
+
+
+@click.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=5555, show_default=True,
+              help="The port the UI listens on.")
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="The address the UI listens on (0.0.0.0: every interface).")
+@click.option("--no-auth", is_flag=True, help="Serve without authentication (a trusted network only).")
+def flower(port: int, address: str, no_auth: bool) -> None:
+    """Flower, the Celery web UI, against the broker, with basic auth from
+    DFLASH_FLOWER_BASIC_AUTH (user:password[,user2:password2])."""
+    secret = get_settings().flower_basic_auth
+    credentials = secret.get_secret_value() if secret else ""
+    if not credentials and not no_auth:
+        raise click.UsageError("set DFLASH_FLOWER_BASIC_AUTH=user:password, or pass --no-auth "
+                               "explicitly to serve Flower without authentication")
+    if credentials:
+        # Through Flower's environment, not its argv: a password on a command line shows in ps.
+        os.environ["FLOWER_BASIC_AUTH"] = credentials
+    _exec_celery(["flower", f"--port={port}", f"--address={address}",
+                  f"--max_tasks={10_000}", "--persistent=False"])

@@ -1,0 +1,368 @@
+"""Running a job: enqueue (and resume) it, and watch its status."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import click
+from rich.live import Live
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dflash_tasks.cli.common import (
+    allowed_or_fail,
+    changed_meanwhile,
+    console,
+    err_console,
+    generation_options,
+    job_option,
+    job_or_fail,
+    redis_or_fail,
+)
+from dflash_tasks.core import jobs, lifecycle
+from dflash_tasks.core.settings import get_settings
+
+# -- enqueue ------------------------------------------------------------------------------------
+
+@click.command()
+@click.option("--dataset", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file of prompts.")
+@click.option("--job", "name", required=True, help="Job name; enqueue the same job again to resume.")
+@generation_options(shown_defaults=True)
+@click.option("--limit", type=click.IntRange(min=1), help="Only the first N valid prompts.")
+@click.option("--gpus", metavar="all|N|GPUS",
+              help="The GPUs the job uses, among every node's registered ones (a node that joins "
+                   "later included): all, N (gpu0..gpuN-1 of each node) or names "
+                   "(gpu0@node-a,gpu1@node-b).", show_default="all; a resumed job keeps its own")
+@click.option("--nodes", metavar="all|NODES",
+              help="Only these nodes' GPUs (node-a,node-b).",
+              show_default="all; a resumed job keeps its own")
+@click.option("--bodies", type=click.Choice(["redis", "storage"]), default="redis", show_default=True,
+              help="Where the prompts' texts wait: in Redis (about 750 B a prompt), or in chunks "
+                   "on the output storage (S3, or an output directory every node shares) with "
+                   "Redis holding about 100 B a prompt: for millions of prompts.")
+@click.option("--output", metavar="DIR|s3://BUCKET/PREFIX",
+              help="Where the job's batches go, kept by the job: every command finds them there "
+                   "from any directory.",
+              show_default="DFLASH_S3_URI, else DFLASH_OUTPUT_DIR made absolute; a resumed job "
+                           "keeps its own")
+@click.option("--follow", is_flag=True, help="Show progress until the job is done.")
+def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top_k, thinking,
+            limit, gpus, nodes, bodies, output, follow) -> None:
+    """Store a dataset's prompts as a job and start dispatching them; resumes a known job."""
+    from dflash_tasks import dispatch
+    from dflash_tasks.core.keys import check_job_name
+    from dflash_tasks.ingest.loader import CHUNK, PromptLoader
+    from dflash_tasks.ingest.prompts import DatasetError, ReadSummary, read_prompts
+    from dflash_tasks.ledger import shared_ledger
+    from dflash_tasks.ledger.bodies import ChunkWriter, job_location, remove_chunks
+    from dflash_tasks.output.storage import StorageError, storage_at
+    from dflash_tasks.tasks.app import app
+
+    try:
+        check_job_name(name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--job") from None
+    r = redis_or_fail()
+    existing = jobs.load(r, name)
+    if existing is not None:
+        allowed_or_fail("enqueue", existing)
+    base = existing.params if existing else jobs.GenerationParams()
+    try:
+        params = base.replace(max_tokens=max_output_tokens, temperature=temperature, top_p=top_p,
+                              top_k=top_k, enable_thinking=thinking)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    kept = existing.selection if existing else jobs.GpuSelection()
+    try:
+        selection = jobs.GpuSelection.parse(
+            gpus if gpus is not None else kept.gpus,
+            "" if nodes == "all" else nodes if nodes is not None else ",".join(kept.nodes))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gpus/--nodes") from None
+    where = _output_or_fail(existing, output, bodies == "storage")
+
+    summary = ReadSummary()
+    # A new job is `loading` until its whole dataset is stored (take.lua dispatches nothing), and
+    # is removed again if the dataset cannot be read to its end. A resumed job keeps its state
+    # and parameters until then.
+    if existing is None:
+        jobs.save(r, name, params, selection=selection, dataset=str(dataset), status=lifecycle.LOADING,
+                  output=where)
+    # Chunks are stored by a sender thread while the next ones are read; on a resume only the
+    # prompts the job does not know yet are encoded and sent (loader.py).
+    book = shared_ledger()
+    # A new job dispatches from its first stored chunk (the GPUs need not wait for the whole
+    # dataset): it runs from then on, and keeps what it stored whatever happens to the rest.
+    dispatching = threading.Event()
+
+    def start_dispatch(added: int) -> None:
+        if existing is None and added and not dispatching.is_set() and \
+                book.transition(name, lifecycle.LOADING, lifecycle.RUNNING):
+            dispatching.set()
+            dispatch.topup_all(app, book, get_settings(), jobs.load(r, name))
+
+    try:
+        store_bodies = None
+        if bodies == "storage":
+            location = job_location(r, name, get_settings())
+            store_bodies = ChunkWriter(r, name, location, storage_at(location, get_settings()))
+        loader = PromptLoader(r, book, name, resume=existing is not None, store_bodies=store_bodies,
+                              on_stored=start_dispatch)
+    except jobs.JobDeleted as exc:
+        raise click.ClickException(f"{exc}; nothing was stored") from None
+    except BaseException:
+        if existing is None:
+            jobs.delete(r, name)
+        raise
+    try:
+        prompts = read_prompts(dataset, limit=limit, summary=summary)
+        with Progress(SpinnerColumn(), TextColumn("[bold]reading {task.description}"),
+                      TextColumn("{task.completed:,} prompts"), TimeElapsedColumn(),
+                      console=err_console, transient=True) as bar:
+            task = bar.add_task(dataset.name, total=None)
+            added = loader.add_all(prompts, chunk=CHUNK,
+                                   progress=lambda n: bar.update(task, advance=n))
+        if summary.valid == 0:
+            first = f"; first problem: {summary.bad[0].reason}" if summary.bad else ""
+            raise DatasetError(f"{dataset}: no valid prompt ({summary.rows:,} rows read, "
+                               f"{len(summary.bad):,} malformed{first})")
+    except BaseException as exc:
+        loader.abandon()
+        gone = isinstance(exc, jobs.JobDeleted)
+        removed = existing is None and not gone and not dispatching.is_set()
+        if removed:
+            jobs.delete(r, name)
+        if (removed or gone) and store_bodies is not None and store_bodies.written:
+            # The job is gone (removed again after the error, or deleted meanwhile, perhaps
+            # before this enqueue's last chunk landed): its chunks are nobody's.
+            try:
+                remove_chunks(store_bodies.storage, name)
+            except StorageError as cleanup:
+                err_console.print(f"[yellow]job {name}: its prompt chunks could not be "
+                                  f"removed ({cleanup}); remove them by hand[/]")
+        elif loader.added:
+            err_console.print(f"[yellow]job {name}: {loader.added:,} new prompts were stored "
+                              "before the error; enqueueing the fixed dataset again adds the rest[/]")
+        if isinstance(exc, (DatasetError, StorageError, jobs.JobDeleted)):
+            what = "deleted meanwhile" if gone else "not created" if removed else \
+                f"kept its {loader.added:,} new prompts" if loader.added else "unchanged"
+            raise click.ClickException(f"{exc} (job {name} {what})") from None
+        raise
+
+    get_settings().failpoint("enqueue.before_apply")
+    expect, changes = _final_write(existing, dispatching.is_set(), params, selection, dataset)
+    wrong = book.update_job(name, expect, changes)
+    if wrong:
+        stored = f"its {added:,} new prompts are stored and counted" if added else \
+            "no new prompt was stored"
+        read = existing.stored if existing else {"status": lifecycle.LOADING}
+        raise click.ClickException(
+            f"{changed_meanwhile(name, read, wrong)}; {stored}, but this enqueue's parameters and "
+            "GPU selection were not applied: run it again to apply them")
+    job = jobs.load(r, name)
+    state = job.status
+    dropped = [g for g in dispatch.dispatched_gpus(r, name) if not selection.allows(g)]
+    if existing is not None and selection != existing.selection and dropped:
+        # take.lua gives these GPUs nothing more; what they hold goes to the GPUs kept.
+        back = sum(dispatch.withdraw(book, name, gpu, everything=True) for gpu in dropped)
+        console.print(f"job {name}: now on {selection.describe()}; {back:,} prompts in flight on "
+                      f"{', '.join(dropped)} went back to pending")
+    if state == lifecycle.RUNNING:
+        dispatch.topup_all(app, book, get_settings(), job)
+    elif existing is not None and existing.status == lifecycle.PAUSED:
+        err_console.print(f"job {name} stays paused: `manage.py resume --job {name}` dispatches it")
+    _print_enqueue_summary(r, job, summary, added, params,
+                           dispatch.serving_gpus(book, get_settings(), job))
+    if follow:
+        _watch(r, name)
+
+
+def _output_or_fail(existing: jobs.Job | None, output: str | None, bodies_on_storage: bool) -> str:
+    """Where the job's batches go: a new job's --output (else the deployment's), checked before
+    anything is stored; a resumed job's own, which no enqueue changes."""
+    from dflash_tasks.output.storage import check_output
+
+    s = get_settings()
+    named = "--output" if output else "DFLASH_S3_URI" if s.s3_uri else "DFLASH_OUTPUT_DIR"
+    if existing is not None:
+        kept = existing.output or s.output_location()
+        asked = output if output is None or output.startswith("s3://") else \
+            str(Path(output).expanduser().resolve())
+        if asked is not None and asked != kept:
+            raise click.BadParameter(f"job {existing.name} keeps its batches in {kept}; a job's "
+                                     "output location does not change (a new job can have "
+                                     "another)", param_hint="--output")
+        if not bodies_on_storage:  # nothing is written there by this enqueue
+            return kept
+        output, named = kept, "the job's output"
+    try:
+        return check_output(output or s.output_location(), s, named=named)
+    except ValueError as exc:
+        raise click.ClickException(f"{exc}; nothing was stored") from None
+
+
+def _final_write(existing: jobs.Job | None, started: bool, params, selection,
+                 dataset: Path) -> tuple[dict, dict]:
+    """What an enqueue writes into the job once its dataset is stored, and what it expects to
+    find there (Ledger.update_job), against what it read before loading, seconds to minutes ago:
+    a new job that already dispatches has had its settings since it was made (it must only still
+    exist); a new one that does not yet, its settings and `running`; a resumed one, its new
+    parameters and GPU selection, only if no one changed them, nor its state, meanwhile (a
+    cancel, a pause or a `set` is never undone; beat's done, and new prompts that make a done
+    job run again, count as the state read)."""
+    if started:
+        return {"status": list(lifecycle.STATES)}, {}
+    settings = {**jobs.config_fields(params, selection), "dataset": str(dataset)}
+    if existing is None:
+        return {"status": [lifecycle.LOADING]}, {**settings, "status": lifecycle.RUNNING}
+    same = [lifecycle.RUNNING, lifecycle.DONE] \
+        if existing.status in (lifecycle.RUNNING, lifecycle.DONE) else [existing.status]
+    return {**existing.as_read("params", "gpus", "nodes"), "status": same}, settings
+
+
+def _print_enqueue_summary(r, job, summary, added, params, serving: list[str]) -> None:
+    from dflash_tasks.ledger import shared_ledger
+
+    c = shared_ledger().counters(job.name)
+    total, done, failed = c.get("total", 0), c.get("completed", 0), c.get("failed", 0)
+    for bad in summary.bad[:20]:
+        err_console.print(f"[yellow]skipped[/] {bad.reason}")
+    if len(summary.bad) > 20:
+        err_console.print(f"[yellow]... and {len(summary.bad) - 20} more skipped rows[/]")
+    table = Table(title=f"job {job.name}", show_header=False, box=None)
+    for label, value in [
+        ("rows read", summary.rows), ("valid prompts", summary.valid),
+        ("skipped (malformed)", len(summary.bad)), ("duplicate ids in dataset", summary.duplicates),
+        ("new prompts queued", added), ("prompts in job", total), ("already done", done),
+        ("failed", failed), ("remaining", max(0, total - done - failed)),
+        ("gpus", f"{job.selection.describe()}: "
+                 + (f"{len(serving)} with a live worker now" if serving else
+                    "no live worker yet (each takes work when it starts)")),
+        ("params", f"max_tokens={params.max_tokens} temperature={params.temperature} "
+                   f"top_p={params.top_p} top_k={params.top_k} thinking={params.enable_thinking}"),
+    ]:
+        table.add_row(label, f"{value:,}" if isinstance(value, int) else str(value))
+    console.print(table)
+
+
+# -- status -------------------------------------------------------------------------------------
+
+def _snapshot(r, name: str) -> dict:
+    from dflash_tasks.output.progress import snapshot
+
+    job_or_fail(r, name)
+    return snapshot(r, name, get_settings())
+
+
+def _bar(fraction: float, width: int = 30) -> str:
+    filled = round(max(0.0, min(1.0, fraction)) * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+def _beat_ticking(age_s: float | None) -> bool:
+    """Beat ticks every progress_interval_s; a few missed ticks are a busy control worker."""
+    return age_s is not None and age_s < max(30.0, 6 * get_settings().progress_interval_s)
+
+
+def _status_table(snap: dict, width: int | None = None) -> Table:
+    """The run at a glance: the same figures as progress.json, for a terminal. Labels are short
+    and the bar narrows with the terminal, so at 80 columns (or piped: rich's 80) every figure
+    keeps its unit on its line; a long value (the per-GPU lines, a storage error) wraps inside
+    its cell."""
+    width = width or console.width
+    t = Table(title=f"job {snap['job']}: {snap['status']}", show_header=False, box=None)
+    t.add_column("what", no_wrap=True)
+    t.add_column("value", overflow="fold")
+    done = snap["completed"] + snap["failed"]
+    fraction = done / snap["total"] if snap["total"] else 0.0
+    eta = _duration(snap["eta_hours"])
+    figures = f"{done:,}/{snap['total']:,} ({100 * fraction:.1f}%)  eta {eta}"
+    label_width = 18  # the longest label, "completed / failed"; 4 more for the cells' padding
+    bar = max(5, min(30, width - label_width - 4 - 1 - len(figures)))
+    t.add_row("progress", f"{_bar(fraction, bar)} {figures}")
+    t.add_row("completed / failed", f"{snap['completed']:,} / {snap['failed']:,}  "
+                                    f"(retries {snap.get('retries', 0):,})")
+    t.add_row("waiting", f"pending {snap['pending']:,}, in flight {snap['in_flight']:,}, "
+                         f"retry wait {snap.get('retry_waiting', 0):,}")
+    t.add_row("rate", f"{snap['rate_per_sec']:.2f} completions/s, "
+                      f"{snap['output_tokens_per_sec']:,.0f} output tokens/s")
+    t.add_row("tokens in / out", f"{snap['total_input_tokens']:,} / {snap['total_output_tokens']:,} "
+                                 f"(avg out {snap['avg_output_tokens']:,.0f})")
+    t.add_row("finish reasons", (", ".join(f"{k}={v:,}" for k, v in sorted(snap["finish_reasons"].items()))
+                                 or "none yet")
+              + f"  (truncated {snap['truncated_pct']:.1f}%)")
+    where = snap.get("output") or "local"
+    t.add_row("batches", f"{snap['batches']:,} ({snap['batch_bytes']:,} bytes, {where}), "
+                         f"{snap['unsealed_rows']:,} rows waiting")
+    if snap.get("spooled_batches"):
+        t.add_row("[yellow]spool[/]", f"{snap['spooled_batches']:,} batches "
+                                      f"({snap['spooled_bytes']:,} bytes) on beat's disk, "
+                                      "uploaded in order when the storage answers")
+    if snap.get("storage_error"):
+        t.add_row("[red]storage error[/]", str(snap["storage_error"].get("error")))
+    if held := snap.get("dispatch_held"):
+        why = ("no sealed batch can leave Redis (the storage error above)"
+               if held["reason"] == "storage" else held["error"])
+        t.add_row("[red]dispatch held[/]", f"{why}: no new work starts until this clears, "
+                                           "then it resumes by itself")
+    if snap["status"] in ("running", "cancelled") and not _beat_ticking(snap.get("beat_age_s")):
+        age = snap.get("beat_age_s")
+        t.add_row("[red]beat[/]", ("no tick ever" if age is None else f"no tick for {age:,.0f} s")
+                  + ": nothing is sealed, shipped or marked done; start `manage.py beat` (one per "
+                    "deployment)")
+    for gpu, g in snap["gpus"].items():
+        alive = "[green]alive[/]" if g.get("alive") else "[red]no heartbeat[/]"
+        if g.get("alive") and g.get("state", "serving") != "serving":
+            alive = f"[red]{g['state']}: {g.get('state_reason') or '?'}[/]"
+        t.add_row(gpu, f"{g['worker'] or '-'} {alive}: {g['completed']:,} done, "
+                       f"{g['in_flight']} in flight"
+                       f"{(', %d waiting to retry' % g['retry_waiting']) if g.get('retry_waiting') else ''}, "
+                       f"{g.get('output_tokens_per_sec', 0):,.0f} tok/s, {g.get('retries', 0)} retries")
+        server = g.get("server")
+        if server and not server.get("error"):  # a family the server does not serve counts 0
+            t.add_row("", f"server: {server.get('running') or 0:.0f} running, "
+                          f"{server.get('queued') or 0:.0f} queued, "
+                          f"{server.get('gen_throughput') or 0:,.0f} tok/s "
+                          f"({server.get('age_s') or 0:.0f} s ago)")
+    return t
+
+
+def _duration(hours: float | None) -> str:
+    """An ETA as an operator reads it: hours from one hour up, else minutes, else seconds."""
+    if hours is None:
+        return "-"
+    if hours >= 1:
+        return f"{hours:.2f} h"
+    return f"{hours * 60:.0f} min" if hours * 60 >= 1 else f"{hours * 3600:.0f} s"
+
+
+def _watch(r, name: str) -> str:
+    """The status panel, refreshed every second until the job is done or cancelled; returns
+    that state."""
+    with Live(_status_table(_snapshot(r, name)), console=console, refresh_per_second=1) as live:
+        while True:
+            snap = _snapshot(r, name)
+            live.update(_status_table(snap))
+            if snap["status"] in ("done", "cancelled"):
+                return snap["status"]
+            time.sleep(1.0)
+
+
+@click.command()
+@job_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable, progress.json's names.")
+@click.option("--watch", is_flag=True,
+              help="Refresh every second until the job is done (exit 0) or cancelled (exit 1).")
+def status(name: str, as_json: bool, watch: bool) -> None:
+    """A job's counters, rate and ETA."""
+    r = redis_or_fail()
+    if watch:
+        if _watch(r, name) == "cancelled":
+            raise SystemExit(1)
+    elif as_json:
+        click.echo(json.dumps(_snapshot(r, name), indent=1))
+    else:
+        console.print(_status_table(_snapshot(r, name)))

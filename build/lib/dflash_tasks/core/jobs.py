@@ -1,0 +1,221 @@
+"""A job: its name, generation parameters and status, stored in Redis so every worker sees a
+change at the next prompt it takes."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Iterable
+
+import redis
+
+from dflash_tasks.core.keys import JOBS, JobKeys, check_job_name, check_node_name, parse_gpu
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    max_tokens: int = 8192
+    temperature: float = 0.6       # Qwen3's recommended thinking-mode sampling
+    top_p: float = 0.95
+    top_k: int | None = 20
+    enable_thinking: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1 and self.top_k != -1:
+            raise ValueError(f"top_k must be >= 1 (or -1 for all), got {self.top_k}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GenerationParams":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def stored(self) -> str:
+        """As the job's config hash stores them."""
+        return json.dumps(asdict(self))
+
+    def replace(self, **changes) -> "GenerationParams":
+        return GenerationParams(**{**asdict(self), **{k: v for k, v in changes.items() if v is not None}})
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSelection:
+    """The GPUs a job may use, among those registered now or later (a node that joins takes
+    work at once when it is selected): `gpus` is "all", a count N (the local indices 0 to N-1
+    on each node) or GPU names ("gpu0@a,gpu3@b"); `nodes`, when not empty, keeps only those
+    nodes' GPUs. take.lua checks the same rule in Redis."""
+    gpus: str = "all"
+    nodes: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, gpus: str | None = None, nodes: str | None = None) -> "GpuSelection":
+        """From `enqueue --gpus/--nodes`; raises ValueError naming the bad part."""
+        spec = (gpus or "all").strip()
+        if spec != "all" and not spec.isdigit():
+            names = [g.strip() for g in spec.split(",") if g.strip()]
+            bad = [g for g in names if parse_gpu(g) is None]
+            if not names or bad:
+                raise ValueError(f"--gpus takes `all`, a count N (gpu0..gpuN-1 of each node) or GPU "
+                                 f"names like gpu0@node-a,gpu1@node-a; not {', '.join(bad) or spec!r}")
+            spec = ",".join(dict.fromkeys(names))
+        elif spec.isdigit() and int(spec) < 1:
+            raise ValueError("--gpus N needs N >= 1")
+        node_names = tuple(dict.fromkeys(n.strip() for n in (nodes or "").split(",") if n.strip()))
+        for node in node_names:
+            check_node_name(node)
+        return cls(gpus=spec, nodes=node_names)
+
+    def allows(self, gpu: str) -> bool:
+        parsed = parse_gpu(gpu)
+        if parsed is None:
+            return False
+        index, node = parsed
+        if self.nodes and node not in self.nodes:
+            return False
+        if self.gpus == "all":
+            return True
+        if self.gpus.isdigit():
+            return index < int(self.gpus)
+        return gpu in self.gpus.split(",")
+
+    def describe(self) -> str:
+        what = {"all": "every GPU"}.get(self.gpus) or (
+            f"gpu0..gpu{int(self.gpus) - 1}" if self.gpus.isdigit() else self.gpus)
+        return what + (f" of node(s) {','.join(self.nodes)}" if self.nodes
+                       else " of every node" if self.gpus.isdigit() or self.gpus == "all" else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    name: str
+    params: GenerationParams
+    status: str
+    selection: GpuSelection
+    dataset: str
+    created_at: float
+    # Where its batches go: an absolute directory or an s3:// URI, fixed when the job is made so
+    # every command finds them from any directory ("" for a job made before jobs kept it: the
+    # deployment's location then).
+    output: str = ""
+    # The config hash exactly as read: what a command's compare-and-set expects to find again.
+    stored: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def keys(self) -> JobKeys:
+        return JobKeys(self.name)
+
+    def as_read(self, *names: str) -> dict[str, list[str]]:
+        """Ledger.update_job's expectation: these fields still as this command read them."""
+        return {name: [self.stored.get(name, "")] for name in names}
+
+
+def load(r: redis.Redis, name: str) -> Job | None:
+    raw = r.hgetall(JobKeys(check_job_name(name)).config)
+    if not raw:
+        return None
+    d = {k.decode(): v.decode() for k, v in raw.items()}
+    return Job(name=name, params=GenerationParams.from_dict(json.loads(d["params"])),
+               status=d.get("status", "running"),
+               selection=GpuSelection(gpus=d.get("gpus", "all"),
+                                      nodes=tuple(n for n in d.get("nodes", "").split(",") if n)),
+               dataset=d.get("dataset", ""), created_at=float(d.get("created_at", 0)),
+               output=d.get("output", ""), stored=d)
+
+
+def config_fields(params: GenerationParams, selection: GpuSelection) -> dict[str, str]:
+    """A job's parameters and GPU selection as its config hash stores them."""
+    return {"params": params.stored(), "gpus": selection.gpus,
+            "nodes": ",".join(selection.nodes)}
+
+
+def save(r: redis.Redis, name: str, params: GenerationParams, *, selection: GpuSelection,
+         dataset: str, status: str = "running", output: str = "") -> Job:
+    """Create the job (unconditionally: a new job's first write, or a test's). Every later change
+    is a compare-and-set against what its command read (Ledger.update_job, Ledger.transition)."""
+    k = JobKeys(check_job_name(name))
+    pipe = r.pipeline()
+    pipe.hsetnx(k.config, "created_at", time.time())
+    pipe.hset(k.config, mapping={**config_fields(params, selection), "dataset": dataset,
+                                 "status": status, **({"output": output} if output else {})})
+    pipe.sadd(JOBS, name)
+    pipe.execute()
+    job = load(r, name)
+    assert job is not None
+    return job
+
+
+def names(r: redis.Redis) -> list[str]:
+    return sorted(m.decode(errors="replace") for m in r.smembers(JOBS))
+
+
+def body_location(r: redis.Redis, name: str, wanted: str | None = None) -> str | None:
+    """Where the job's prompt bodies are kept on storage (ledger/bodies.py), or None while they
+    are all in Redis. With `wanted`, the first caller's location becomes the job's; later ones
+    get that one back, so every chunk of a job is in one place."""
+    k = JobKeys(name)
+    if wanted is not None:
+        _write_if_exists(r, name, lambda pipe: pipe.hsetnx(k.config, "bodies", wanted))
+    found = r.hget(k.config, "bodies")
+    return found.decode() if found is not None else None
+
+
+def next_body_chunk(r: redis.Redis, name: str) -> int:
+    """A chunk number no other enqueue of the job has used (chunk objects are never rewritten)."""
+    k = JobKeys(name)
+    return int(_write_if_exists(r, name, lambda pipe: pipe.hincrby(k.config, "body_chunks", 1)))
+
+
+class JobDeleted(LookupError):
+    """The job was deleted (or never was) when a write into its config came."""
+
+
+def _write_if_exists(r: redis.Redis, name: str, write):
+    """write(pipeline) in a transaction, only while the job exists (its config has a status):
+    a write into the config of a job deleted meanwhile would leave a config of nothing behind,
+    which every ledger script would take for a job."""
+    k = JobKeys(name)
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(k.config)
+                if not pipe.hexists(k.config, "status"):
+                    raise JobDeleted(f"job {name} was deleted while this ran")
+                pipe.multi()
+                write(pipe)
+                return pipe.execute()[0]
+            except redis.WatchError:
+                continue
+
+
+def delete(r: redis.Redis, name: str, allowed: Iterable[str] | None = None) -> int:
+    """Remove every Redis key of the job and its name; batches already shipped stay where they
+    are. With `allowed`, only while the job's status is one of them, checked in the same
+    transaction that removes its config (a `resume` in between is not deleted): after that no
+    ledger script writes for it any more, and the rest of its keys go. Raises JobDeleted when
+    there was no such job, and ValueError when its status is not allowed (the message names
+    it). Returns how many keys were removed."""
+    k = JobKeys(check_job_name(name))
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(k.config)
+                status = pipe.hget(k.config, "status")
+                if allowed is not None:
+                    if status is None:
+                        raise JobDeleted(f"job {name} was deleted meanwhile")
+                    if status.decode() not in allowed:
+                        raise ValueError(f"job {name} changed to {status.decode()} while this ran")
+                pipe.multi()
+                pipe.delete(k.config)
+                pipe.srem(JOBS, name)
+                removed = pipe.execute()[0]
+                break
+            except redis.WatchError:
+                continue
+    rest = list(r.scan_iter(match=k.every_key, count=1000))
+    return int(removed) + (int(r.delete(*rest)) if rest else 0)

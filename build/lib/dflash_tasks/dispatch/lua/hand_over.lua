@@ -1,0 +1,33 @@
+-- A generation moved off a GPU (take.lua ordered it, or its worker is stopping): its worker
+-- aborted it and read what it had generated there. The prompt's entry becomes the one that goes
+-- on from there (its messages, its partial output's exact ids and texts), and the prompt moves
+-- from that GPU's in-flight set to the target GPU's (the caller then publishes its message
+-- there), or, with no target (a warm stop), to the front of pending. Only while the order is
+-- still this one and the prompt is still in flight where it was: one recalled, done or deleted
+-- meanwhile is left as it is, and its row is recorded once whatever arrives.
+--- keys: migrating inflight_source inflight_target prompts pending counters config
+--- args: id entry source target tokens
+-- inflight_target is not touched without a target; target: '' for pending; tokens: what was
+-- generated on source. Returns 1 when it moved, 0 otherwise.
+if redis.call('EXISTS', config) == 0 then
+  return 0
+end
+if target ~= '' then
+  local order = redis.call('HGET', migrating, id)
+  if not order or string.sub(order, 1, #source + #target + 2) ~= source .. ' ' .. target .. ' ' then
+    return 0
+  end
+end
+redis.call('HDEL', migrating, id)
+if redis.call('ZREM', inflight_source, id) == 0 then
+  return 0
+end
+redis.call('HSET', prompts, id, entry)
+if target == '' then
+  redis.call('LPUSH', pending, id)
+else
+  redis.call('ZADD', inflight_target, redis.call('TIME')[1], id)
+end
+redis.call('HINCRBY', counters, 'migrated', 1)
+redis.call('HINCRBY', counters, 'migrated_tokens', tonumber(tokens))
+return 1

@@ -1,0 +1,380 @@
+"""The books in Redis: a job's prompts, done marks, counters and output rows, and each prompt's
+outcomes (complete, fail, retry, reopen, requeue), each a Lua script in `lua/` (core/scripts.py
+names their keys), so each multi-step change is atomic and reviewable on its own. The scripts
+that decide other stages' things live with those stages: dispatch's (take, recall, hand over),
+sealing's (output/), the worker registry's (worker/), a training run's (training/queue/).
+`messages` is the stored form of a prompt's conversation.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Iterable, Iterator, Sequence
+
+import redis
+
+from dflash_tasks.core.connections import redis_client
+from dflash_tasks.core.jobs import JobDeleted
+from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.lifecycle import STATES
+from dflash_tasks.core.scripts import Script
+from dflash_tasks.core.settings import Settings, get_settings
+from dflash_tasks.ledger import bodies
+from dflash_tasks.ledger.messages import decode_messages, encode_messages
+
+log = logging.getLogger(__name__)
+LAGGING_WARN_EVERY_S = 60.0
+HIST_BUCKET_TOKENS = 64   # output-length histogram resolution, for percentiles without scans
+SPEED_MIN_TOKENS = 64     # the shortest request that counts for its GPU's speed (take.lua)
+# Rows that ended "stop" are most of a job and rarely generated again: they are not in the index
+# of rows by finish reason (regenerate reads the batches to find them). Every other reason is.
+UNINDEXED_REASONS = frozenset({"stop"})
+
+ADD_PROMPTS = Script(__file__, "add_prompts")
+UNKNOWN_IDS = Script(__file__, "unknown_ids")
+COMPLETE = Script(__file__, "complete")
+FAIL = Script(__file__, "fail")
+RETRY = Script(__file__, "retry")
+REQUEUE_FAILED = Script(__file__, "requeue_failed")
+REOPEN = Script(__file__, "reopen")
+FINISH = Script(__file__, "finish")
+UPDATE_JOB = Script(__file__, "update_job")
+
+
+@dataclass(frozen=True, slots=True)
+class TaskState:
+    """What a generate task needs, read in one round trip."""
+    params: dict | None
+    messages: list[dict] | None
+    done: bool
+    failed: bool = False  # in the failed registry: parked until `manage.py retry-failed`
+    continuation: dict | None = None  # a truncated output to continue (regenerate --continue)
+    # Dispatched to this GPU and not recalled since (a message of a recalled prompt is stale).
+    in_flight_here: bool = True
+    # A body kept on storage (bodies.py): `messages` is None, and the task reads it from there.
+    body_reference: bytes | None = None
+    body_location: str | None = None
+    # The `prompts` entry as read, when it is the prompt alone (its messages' frame, or a
+    # reference), not the {messages, continue} of a regenerated one: the index of rows by finish
+    # reason keeps it as it is (Ledger.complete).
+    bare_entry: bytes | None = None
+
+    @property
+    def stored(self) -> bool:
+        """The prompt is still in the job's `prompts` (in Redis or as a reference)."""
+        return self.messages is not None or self.body_reference is not None
+
+    def with_body(self, decoded: list | dict) -> "TaskState":
+        """This state with its body read from storage: a prompt's messages, or (a truncated row
+        that regenerate --continue took back, whose entry is kept on storage too) its messages
+        and what the continuation needs; such an entry is more than the prompt, so the index of
+        rows by finish reason does not keep it as it is (bare_entry)."""
+        if isinstance(decoded, dict):
+            return replace(self, messages=decoded["messages"], continuation=decoded.get("continue"),
+                           bare_entry=None)
+        return replace(self, messages=decoded)
+
+
+@dataclass(frozen=True, slots=True)
+class EndedRow:
+    """A done prompt's newest row as regenerate takes it back: its share of the counters and
+    where it is, from the ledger's index of rows by finish reason (complete.lua), or from the row
+    itself when it was read from a batch."""
+    id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    gpu: str
+    # The row's stream entry id: in the stream until sealed, then in the batch whose first entry
+    # is the last one at or before it (batches are consecutive runs of the stream).
+    entry: str = ""
+    prompt: bytes | None = None  # its messages as `prompts` stores them (encode_messages)
+    # The index record's first line as read: reopen.lua takes the row back only while it is
+    # still that one. Empty for a row read from a batch.
+    indexed: str = ""
+
+    @classmethod
+    def from_row(cls, row: dict) -> "EndedRow":
+        meta = row["metadata"]
+        return cls(row["id"], meta["finish_reason"], int(meta["prompt_tokens"]),
+                   int(meta["completion_tokens"]), meta["gpu"])
+
+
+def entry_order(entry: str) -> tuple[int, int]:
+    """A stream entry id ("<ms>-<seq>") as a sortable pair."""
+    ms, _, seq = entry.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class Ledger:
+    def __init__(self, client: redis.Redis, *, wait_replicas: int = 0, wait_timeout_ms: int = 1000,
+                 speed_weight: float = 0.05):
+        self.r = client
+        # Settings.speed_average_weight: how far each request moves its GPU's speed (complete.lua).
+        self.speed_weight = speed_weight
+        # Settings.redis_wait_replicas: rows (and batches) wait until the replicas have them.
+        self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
+        self._lagging_warned_at = -LAGGING_WARN_EVERY_S
+
+    # -- enqueue ---------------------------------------------------------------------------------
+
+    def add_prompts(self, job: str, prompts: Sequence[tuple[str, str]]) -> int:
+        """Store (id, messages_json) pairs not seen before and queue them; returns how many.
+        Raises JobDeleted when the job was deleted meanwhile (nothing is stored then)."""
+        k = JobKeys(job)
+        added = int(ADD_PROMPTS(self.r, prompts=k.prompts, pending=k.pending, done=k.done,
+                                counters=k.counters, config=k.config,
+                                items=[x for pair in prompts for x in pair]))
+        if added < 0:
+            raise JobDeleted(f"job {job} was deleted while its prompts were being stored")
+        return added
+
+    def unknown_positions(self, job: str, ids: Sequence[str]) -> list[int]:
+        """The 0-based positions of the ids the job neither stores nor has done (a resumed
+        enqueue sends only those prompts' messages)."""
+        k = JobKeys(job)
+        return [i - 1 for i in UNKNOWN_IDS(self.r, prompts=k.prompts, done=k.done, ids=ids)]
+
+    # -- a prompt's task -------------------------------------------------------------------------
+
+    def task_state(self, job: str, prompt_id: str, gpu: str) -> TaskState:
+        k = JobKeys(job)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hmget(k.config, "params", "bodies")
+        pipe.hget(k.prompts, prompt_id)
+        pipe.sismember(k.done, prompt_id)
+        pipe.hexists(k.failed, prompt_id)
+        pipe.zscore(k.inflight(gpu), prompt_id)
+        pipe.zrem(k.retrying(gpu), prompt_id)  # running now: its retry no longer waits
+        (params, location), entry, done, failed, here, _ = pipe.execute()
+        flags = dict(params=json.loads(params) if params else None, done=bool(done),
+                     failed=bool(failed), in_flight_here=here is not None)
+        if entry and bodies.is_reference(entry):
+            return TaskState(messages=None, body_reference=entry, bare_entry=entry,
+                             body_location=location.decode() if location else None, **flags)
+        decoded = decode_messages(entry) if entry else None
+        # A regenerated prompt is stored as {"messages", "continue"?} (reopen.lua), a new one as
+        # its bare list of messages.
+        if isinstance(decoded, dict):
+            return TaskState(messages=decoded["messages"], continuation=decoded.get("continue"),
+                             **flags)
+        return TaskState(messages=decoded, bare_entry=entry or None, **flags)
+
+    def reopen(self, job: str, ended: EndedRow, entry: str | bytes, continued_tokens: int) -> bool:
+        """Take a done prompt back for regeneration (reopen.lua), `entry` becoming its stored
+        prompt; False if it was not done, or (read from the index) its newest row is another."""
+        return bool(self.reopen_many(job, [(ended, entry, continued_tokens)])[0])
+
+    def reopen_many(self, job: str,
+                    items: Sequence[tuple[EndedRow, str | bytes, int]]) -> list[bool]:
+        """reopen() of each (ended row, entry, continued tokens), in one round trip."""
+        k = JobKeys(job)
+        pipe = self.r.pipeline(transaction=False)
+        for ended, entry, continued_tokens in items:
+            out = ended.completion_tokens
+            REOPEN(pipe, done=k.done, prompts=k.prompts, pending=k.pending, counters=k.counters,
+                   ended=k.ended(ended.finish_reason), config=k.config,
+                   superseding=k.superseding, id=ended.id, entry=entry,
+                   input_tokens=ended.prompt_tokens, output_tokens=out,
+                   finish_reason=ended.finish_reason, gpu=ended.gpu,
+                   hist_bucket=out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS,
+                   continued_tokens=continued_tokens, indexed=ended.indexed, place=ended.entry)
+        return [bool(done) for done in pipe.execute()]
+
+    def ended_count(self, job: str, reason: str) -> tuple[int, int]:
+        """(rows in the index of rows that ended `reason`, rows the counters say ended so), read
+        together: equal when the index covers the job (complete.lua and reopen.lua change both
+        in one step); fewer for a reason not indexed or a job begun before the index."""
+        k = JobKeys(job)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hlen(k.ended(reason))
+        pipe.hget(k.counters, f"finish:{reason}")
+        indexed, counted = pipe.execute()
+        return int(indexed), int(counted or 0)
+
+    def ended_rows(self, job: str, reason: str, *, prompts: bool = True) -> Iterator[EndedRow]:
+        """The rows that had ended `reason` when this began, from the index (not the rows): a
+        row finished since (a prompt this regenerate took back, done again) is not given again.
+        Without `prompts` their messages are left out (a continuation reads them from the row)."""
+        k = JobKeys(job)
+        try:
+            last = self.r.xinfo_stream(k.output)["last-generated-id"]
+        except redis.ResponseError:  # no stream: no row was ever finished
+            return
+        cutoff = entry_order(_s(last))
+        for prompt_id, raw in self.r.hscan_iter(k.ended(reason), count=500):
+            head, _, prompt = raw.partition(b"\n")
+            entry, prompt_tokens, completion_tokens, gpu = head.decode().split(" ")
+            if entry_order(entry) <= cutoff:
+                yield EndedRow(_s(prompt_id), reason, int(prompt_tokens), int(completion_tokens),
+                               gpu, entry, prompt if prompts else None, head.decode())
+
+    # -- outcomes --------------------------------------------------------------------------------
+
+    def complete(self, job: str, prompt_id: str, gpu: str, row: dict, *,
+                 bare_entry: bytes | None = None, rate_bucket_s: int = 10) -> bool:
+        """Record a finished row exactly once. False when it was a duplicate delivery. A
+        recalled prompt waiting in pending or on another of the job's GPUs is taken out there.
+        `bare_entry` (TaskState's): the prompt's `prompts` entry as the task read it, which the
+        index of rows by finish reason keeps instead of the row's messages encoded again."""
+        k = JobKeys(job)
+        meta = row["metadata"]
+        out = int(meta["completion_tokens"])
+        reason = meta["finish_reason"]
+        # Its prompt, kept in the index for a regenerate that reads no batch (a few KB at most,
+        # compressed, for a fifth of the rows at the real run's figures: docs/ARCHITECTURE.md;
+        # about 20 bytes when its text stays on storage): the entry as read, or the row's
+        # messages encoded again (a regenerated prompt, whose entry holds more).
+        prompt = b"" if reason in UNINDEXED_REASONS else \
+            bare_entry or encode_messages(row["conversations"][:-1])
+        latency = float(meta.get("latency_s") or 0)
+        # What this GPU decoded in that time: a continued row's first tokens came from another
+        # request (a truncated row, a generation moved here). A request too short to say how
+        # fast the GPU decodes (prefill and the round trip dominate it) does not move its speed.
+        made = out - int(meta.get("continued_tokens") or 0)
+        speed = f"{made / latency:.1f}" if made >= SPEED_MIN_TOKENS and latency > 0 else ""
+        named = dict(
+            done=k.done, inflight=k.inflight(gpu), prompts=k.prompts, failed=k.failed,
+            counters=k.counters, rate=k.rate, output=k.output, pending=k.pending,
+            config=k.config, gpus=k.gpus, ended=k.ended(reason), speed=k.speed,
+            superseding=k.superseding, superseded=k.superseded, id=prompt_id,
+            row=json.dumps(row, ensure_ascii=False, separators=(",", ":")),
+            input_tokens=int(meta["prompt_tokens"]), output_tokens=out, finish_reason=reason,
+            gpu=gpu, rate_bucket_s=rate_bucket_s,
+            hist_bucket=out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS,
+            inflight_prefix=k.inflight(""), prompt=prompt, tokens_per_s=speed,
+            speed_weight=self.speed_weight)
+        if not self.wait_replicas:
+            return bool(COMPLETE(self.r, **named))
+        # WAIT counts the replicas that have the writes of its own connection: in one pipeline
+        # with the script, or it could prove nothing about this row.
+        pipe = self.r.pipeline(transaction=False)
+        COMPLETE(pipe, **named)
+        pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+        recorded, replicas = pipe.execute()
+        self._check_replicas(replicas, f"prompt {prompt_id}'s row")
+        return bool(recorded)
+
+    def fail(self, job: str, prompt_id: str, gpu: str, record: dict) -> bool:
+        """Enter a prompt in the failed registry. False when it was done or already failed."""
+        k = JobKeys(job)
+        return bool(FAIL(self.r, done=k.done, inflight=k.inflight(gpu), failed=k.failed,
+                         counters=k.counters, failures=k.failures, pending=k.pending,
+                         config=k.config, gpus=k.gpus, id=prompt_id,
+                         record=json.dumps(record, ensure_ascii=False), gpu=gpu,
+                         inflight_prefix=k.inflight("")))
+
+    def note_retry(self, job: str, prompt_id: str, gpu: str, reason: str, due: float) -> bool:
+        """Count a retry, refresh the prompt's in-flight mark and record it as waiting until
+        `due` (Unix time). False when it is already done."""
+        k = JobKeys(job)
+        return bool(RETRY(self.r, done=k.done, inflight=k.inflight(gpu), counters=k.counters,
+                          config=k.config, retrying=k.retrying(gpu), id=prompt_id, reason=reason,
+                          gpu=gpu, due=due))
+
+    def requeue_failed(self, job: str, records: Sequence[tuple[str, str]]) -> tuple[int, int]:
+        """Move failed prompts, given as (id, registry record exactly as read), back to the
+        front of pending. Returns (moved, missing); see requeue_failed.lua."""
+        k = JobKeys(job)
+        moved, missing = REQUEUE_FAILED(self.r, config=k.config, failed=k.failed,
+                                        pending=k.pending, done=k.done, prompts=k.prompts,
+                                        counters=k.counters,
+                                        items=[x for pair in records for x in pair])
+        return int(moved), int(missing)
+
+    def finish(self, job: str) -> str:
+        """Mark a running job done if, in this very step, every prompt has its outcome and
+        nothing waits anywhere (finish.lua). Returns "done", or what still holds it."""
+        k = JobKeys(job)
+        return _s(FINISH(self.r, config=k.config, counters=k.counters, pending=k.pending,
+                         output=k.output, sealing=k.sealing, gpus=k.gpus,
+                         inflight_prefix=k.inflight("")))
+
+    def transition(self, job: str, expect: str, status: str) -> bool:
+        """Set the job's status to `status` only if it is still `expect`: a command checked
+        against the state it read never overwrites a change made since (a pause racing beat's
+        done, an enqueue). False when it changed; nothing is written then."""
+        if status not in STATES:
+            raise ValueError(f"unknown status {status!r}; one of {', '.join(STATES)}")
+        return not self.update_job(job, {"status": [expect]}, {"status": status})
+
+    def update_job(self, job: str, expect: dict[str, Iterable[str]],
+                   changes: dict[str, str]) -> dict[str, str]:
+        """Write `changes` into the job's config only if each field in `expect` still holds one
+        of its values ("" for absent), in one step (update_job.lua). Returns {} when written,
+        else {field: its value now} for each field that differed (nothing is written then)."""
+        fields: list = []
+        for field, allowed in expect.items():
+            fields += [field, json.dumps(list(allowed))]
+        for field, value in changes.items():
+            fields += [field, value]
+        wrong = UPDATE_JOB(self.r, config=JobKeys(job).config, checked=len(expect), fields=fields)
+        return {_s(wrong[i]): _s(wrong[i + 1]) for i in range(0, len(wrong), 2)}
+
+    def failed_records(self, job: str) -> Iterable[tuple[str, str]]:
+        """(id, raw record JSON) for every prompt in the failed registry, by HSCAN."""
+        for prompt_id, raw in self.r.hscan_iter(JobKeys(job).failed, count=1000):
+            yield _s(prompt_id), _s(raw)
+
+    def replicate_sealing(self, job: str, intent: str) -> None:
+        """Before a batch ships, with wait_replicas: wait until the replicas have every write so
+        far, the batch's rows among them (beat may have read a row before its task's WAIT). The
+        intent is written again, unchanged, because WAIT counts its own connection's writes."""
+        if not self.wait_replicas:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(JobKeys(job).sealing, intent, xx=True)
+        pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+        self._check_replicas(pipe.execute()[-1], f"job {job}'s batch")
+
+    def replicated(self, job: str, what: str) -> bool:
+        """With wait_replicas: whether the replicas have every write made so far (one write on
+        this connection, then WAIT: replication is ordered, so it covers every earlier write of
+        any connection). True without wait_replicas. A local file whose only other record is
+        such a write (a spooled batch, once shipped) is removed only when this says True."""
+        if not self.wait_replicas:
+            return True
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hincrby(JobKeys(job).counters, "spooled", 0)  # a write, changing nothing
+        pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+        replicas = pipe.execute()[-1]
+        self._check_replicas(replicas, what)
+        return replicas >= self.wait_replicas
+
+    def _check_replicas(self, replicas: int, what: str) -> None:
+        """Fewer replicas than asked within the timeout: the write stands on the master alone
+        (a failover now may lose it; the ledger recovers it then, docs/WHEN_THINGS_FAIL.md). Go
+        on, and say so once a minute: a replica down must not stop the run."""
+        if replicas >= self.wait_replicas:
+            return
+        now = time.monotonic()
+        if now - self._lagging_warned_at >= LAGGING_WARN_EVERY_S:
+            self._lagging_warned_at = now
+            log.warning("%s reached %d of %d replica(s) within %d ms (DFLASH_REDIS_WAIT_REPLICAS): "
+                        "a failover now could lose it; is a replica down or behind?", what,
+                        replicas, self.wait_replicas, self.wait_timeout_ms)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def counters(self, job: str) -> dict[str, int]:
+        raw = self.r.hgetall(JobKeys(job).counters)
+        return {_s(k): int(v) for k, v in raw.items()}
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def ledger_for(r: redis.Redis, s: Settings) -> Ledger:
+    """A Ledger on r that waits for s's replicas."""
+    return Ledger(r, wait_replicas=s.redis_wait_replicas, wait_timeout_ms=s.redis_wait_timeout_ms,
+                  speed_weight=s.speed_average_weight)
+
+
+@lru_cache(maxsize=1)
+def shared_ledger() -> Ledger:
+    """The process's Ledger, on its Redis client."""
+    return ledger_for(redis_client(), get_settings())

@@ -1,0 +1,475 @@
+"""The run's state in figures, from counters only, so it costs the same at 1,000,000 prompts as
+at 1,000. progress.json, `manage.py status` and the demo all print this one dictionary;
+docs/PROGRESS_AND_S3.md documents every field.
+
+A snapshot is made in three steps:
+
+- `read`: the job, Redis's clock, then ONE transaction (MULTI) whose results come back by name
+  into `Reads`: the job's counters (bounded: totals, finish reasons, histograms, per GPU), one
+  HMGET of the rate buckets in the window, per GPU its in-flight count and its retries waiting
+  (counted inside Redis), and a few O(1) reads. The same commands at any size of job, and
+  whatever the broker holds: nothing reads kombu's `unacked` hash (tests/test_progress.py).
+- compute: pure functions of `Reads` (rates over the window, percentiles, per-GPU views).
+- `render`: the dictionary, in its documented order.
+
+Where SGLang's `bench_serving` has a name for a figure, the figure carries that name
+(request_throughput, input_throughput, output_throughput, *_e2e_latency_ms), so a run can be set
+beside a benchmark of the same server; ALIASES says which figures carry two names, and why.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from dflash_tasks import dispatch
+from dflash_tasks.core import jobs
+from dflash_tasks.core.keys import (
+    BEAT_SEEN,
+    BREAKERS,
+    MEMORY_HOLD,
+    SERVERS,
+    WORKERS,
+    WORKERS_SEEN,
+    JobKeys,
+    parse_gpu,
+)
+from dflash_tasks.core.settings import Settings
+from dflash_tasks.ledger.histogram import length_percentile, nearest_rank
+from dflash_tasks.output.batches import latency_bucket_ms
+from dflash_tasks.output.storage import Storage, StorageNotFound
+
+RATE_BUCKET_S = 10  # the ledger's completion buckets (complete.lua)
+ALIVE_PERIODS = 3   # a GPU worker is alive while its heartbeat is under this many periods old
+
+# The only figures written under two names, each pair in one place: the first name is the
+# seed's progress.json field (readers of progress.json were promised it), the second is SGLang
+# bench_serving's name for the same figure. `render` writes the first; `_aliased` adds the second
+# right after it, with the same value. Every other field is one figure under one name (a GPU's
+# view has no seed name for its rate: there request_throughput is the only name).
+ALIASES = {
+    "rate_per_sec": "request_throughput",
+    "output_tokens_per_sec": "output_throughput",
+}
+
+
+# -- read ----------------------------------------------------------------------------------------
+
+def rate_series(gpus: list[str]) -> list[str]:
+    """The series complete.lua counts in the rate hash, each as "<series>:<bucket>": the job's
+    completions ("c"), output tokens ("t") and input tokens ("i"), and per GPU its completions
+    and output tokens ("<gpu>:c", "<gpu>:t")."""
+    return ["c", "t", "i", *(f"{gpu}:{kind}" for gpu in gpus for kind in ("c", "t"))]
+
+
+def rate_fields(bucket: int, gpus: list[str]) -> list[str]:
+    """Every field complete.lua writes into the rate hash for one bucket."""
+    return [f"{series}:{bucket}" for series in rate_series(gpus)]
+
+
+@dataclass(frozen=True, slots=True)
+class Reads:
+    """Everything one snapshot reads, decoded, by name."""
+    job: jobs.Job
+    gpus: list[str]                  # the job's GPUs (dispatch.job_gpus), by node and index
+    now: float                       # Redis's clock, in seconds
+    window_start: int                # the first rate bucket of the window
+    window: dict[str, int]           # rate series (rate_series) -> its sum over the window
+    counters: dict[str, int]         # the job's counters hash
+    pending: int                     # prompts not yet dispatched
+    unsealed_rows: int               # rows in the output stream, not yet sealed into a batch
+    in_flight_set: dict[str, int]    # GPU -> its in-flight set's size, retries waiting included
+    retry_waiting: dict[str, int]    # GPU -> retries waiting for their ETA in a worker
+    workers: dict[str, dict]         # GPU -> the worker's registration
+    heartbeats: dict[str, float]     # GPU -> Redis time of the worker's last heartbeat
+    servers: dict[str, dict]         # GPU -> its SGLang server's /metrics sample
+    breakers: dict[str, dict]        # GPU -> its worker's circuit breaker (breaker.py)
+    beat_seen: float | None          # Redis time of beat's last tick
+    sealing_batch: str | None        # the batch being sealed
+    storage_error: dict[str, str]    # empty while storage works
+    hold: dict[str, str]             # the job's dispatch hold (dispatch/hold.py); empty: none
+    memory_hold: dict | None         # Redis's memory hold, for every job; None: none
+    quality: dict | None             # the quality monitor's last figures
+    updated_at: float                # the wall clock when read
+
+
+class _NamedMulti:
+    """A MULTI whose results come back by name, not by position."""
+
+    def __init__(self, r: redis.Redis):
+        self._pipe = r.pipeline(transaction=True)
+        self._names: list[Hashable] = []
+
+    def named(self, name: Hashable) -> redis.client.Pipeline:
+        """The pipeline, to queue the one command whose result `execute` returns as `name`."""
+        self._names.append(name)
+        return self._pipe
+
+    def execute(self) -> dict[Hashable, Any]:
+        return dict(zip(self._names, self._pipe.execute(), strict=True))
+
+
+def read(r: redis.Redis, name: str, s: Settings) -> Reads:
+    job = jobs.load(r, name)
+    if job is None:
+        raise KeyError(f"no job named {name!r}")
+    k = job.keys
+    seconds, micros = r.time()
+    now = seconds + micros / 1e6
+    window_start = now - s.rate_window_s
+    buckets = range(int(window_start - window_start % RATE_BUCKET_S), int(now) + 1, RATE_BUCKET_S)
+    gpus = dispatch.job_gpus(r, job)
+    series = rate_series(gpus)
+    rate_keys = [f"{one}:{bucket}" for one in series for bucket in buckets]
+
+    multi = _NamedMulti(r)
+    multi.named("counters").hgetall(k.counters)
+    multi.named("pending").llen(k.pending)
+    multi.named("unsealed").xlen(k.output)
+    multi.named("rate").hmget(k.rate, rate_keys)
+    multi.named("workers").hgetall(WORKERS)
+    multi.named("sealing").get(k.sealing)
+    multi.named("storage_error").hgetall(k.storage_error)
+    multi.named("hold").hgetall(k.hold)
+    multi.named("memory_hold").get(MEMORY_HOLD)
+    multi.named("heartbeats").hgetall(WORKERS_SEEN)
+    multi.named("servers").hgetall(SERVERS)
+    multi.named("breakers").hgetall(BREAKERS)
+    multi.named("beat_seen").get(BEAT_SEEN)
+    # Retries waiting for their ETA are in flight too: those of the GPU's `retrying` set (retry.lua
+    # adds them) still in flight there, counted inside Redis in the same transaction as every
+    # other count, so pending + in flight + waiting + completed + failed equals the total at that
+    # instant, at the cost of the retries waiting, whatever the broker holds.
+    for gpu in gpus:
+        multi.named(("in_flight", gpu)).zcard(k.inflight(gpu))
+        multi.named(("waiting", gpu)).zintercard(2, [k.inflight(gpu), k.retrying(gpu)])
+    # The quality monitor's figures (training/data/monitor.py writes the key) at its last tick.
+    multi.named("quality").get(k.quality("figures"))
+    got = multi.execute()
+
+    window = dict.fromkeys(series, 0)
+    for field, value in zip(rate_keys, got["rate"], strict=True):
+        window[field.rsplit(":", 1)[0]] += int(value or 0)
+    sealing, beat_seen, quality = got["sealing"], got["beat_seen"], got["quality"]
+    return Reads(
+        job=job,
+        gpus=gpus,
+        now=now,
+        window_start=buckets[0],
+        window=window,
+        counters={key.decode(): int(v) for key, v in got["counters"].items()},
+        pending=got["pending"],
+        unsealed_rows=got["unsealed"],
+        in_flight_set={gpu: got[("in_flight", gpu)] for gpu in gpus},
+        retry_waiting={gpu: got[("waiting", gpu)] for gpu in gpus},
+        workers={key.decode(): json.loads(v) for key, v in got["workers"].items()},
+        heartbeats={key.decode(): float(v) for key, v in got["heartbeats"].items()},
+        servers={key.decode(): json.loads(v) for key, v in got["servers"].items()},
+        breakers={key.decode(): json.loads(v) for key, v in got["breakers"].items()},
+        beat_seen=float(beat_seen) if beat_seen else None,
+        sealing_batch=json.loads(sealing)["name"] if sealing else None,
+        storage_error={key.decode(): v.decode() for key, v in got["storage_error"].items()},
+        hold={key.decode(): v.decode() for key, v in got["hold"].items()},
+        memory_hold=json.loads(got["memory_hold"]) if got["memory_hold"] else None,
+        quality=json.loads(quality) if quality else None,
+        updated_at=time.time(),
+    )
+
+
+# -- compute: pure functions of Reads -----------------------------------------------------------
+
+def count(reads: Reads, counter: str) -> int:
+    return reads.counters.get(counter, 0)
+
+
+def tally(reads: Reads, prefix: str) -> dict[str, int]:
+    """The counters "<prefix>:<name>" as {name: count} (finish reasons, retry reasons)."""
+    return {key.split(":", 1)[1]: v for key, v in reads.counters.items()
+            if key.startswith(f"{prefix}:")}
+
+
+def histogram(reads: Reads, prefix: str) -> dict[int, int]:
+    """The counters "<prefix><bucket>" that hold rows, as {bucket: rows}."""
+    return {int(key[len(prefix):]): v for key, v in reads.counters.items()
+            if key.startswith(prefix) and v > 0}
+
+
+def window_span(reads: Reads) -> float:
+    """The seconds the rate window covers: from its first bucket, or from the bucket of the
+    job's first completion when that is later, to now; 0 before the first completion."""
+    first = reads.counters.get("first_completed_at")
+    if not first:
+        return 0.0
+    return reads.now - max(reads.window_start, first - first % RATE_BUCKET_S)
+
+
+def per_second(reads: Reads, series: str) -> float:
+    """A rate series (rate_series) per second over the window."""
+    span = window_span(reads)
+    return reads.window[series] / span if span > 0 else 0.0
+
+
+def remaining(reads: Reads) -> int:
+    return max(0, count(reads, "total") - count(reads, "completed") - count(reads, "failed"))
+
+
+def in_flight(reads: Reads, gpu: str) -> int:
+    """Sent, or queued to be sent: the in-flight set less the retries waiting for their ETA."""
+    return reads.in_flight_set[gpu] - reads.retry_waiting[gpu]
+
+
+def output_percentile(reads: Reads, q: float) -> int | None:
+    """As `manage.py stats` reports it: a bucket's lower edge, or the cap for the bucket holding
+    the cap (truncated outputs are exactly the cap)."""
+    return length_percentile(histogram(reads, "hist:"), q, reads.job.params.max_tokens)
+
+
+def latency_percentile_ms(reads: Reads, q: float) -> float | None:
+    bucket = nearest_rank(histogram(reads, "lat:"), q)
+    return round(latency_bucket_ms(bucket), 1) if bucket is not None else None
+
+
+def heartbeat_age_s(reads: Reads, gpu: str) -> float | None:
+    beat = reads.heartbeats.get(gpu)
+    return round(reads.now - beat, 1) if beat is not None else None
+
+
+def _share_pct(part: int, whole: int) -> float:
+    return round(100 * part / whole, 2) if whole else 0.0
+
+
+def _mean(total: int, n: int) -> float:
+    return round(total / n, 1) if n else 0.0
+
+
+# -- render --------------------------------------------------------------------------------------
+
+def _aliased(fields: dict) -> dict:
+    """fields with each ALIASES name added right after the figure it names."""
+    out = {}
+    for key, value in fields.items():
+        out[key] = value
+        if key in ALIASES:
+            out[ALIASES[key]] = value
+    return out
+
+
+def gpu_state(reads: Reads, gpu: str, alive: bool) -> tuple[str, str | None]:
+    """Whether the GPU takes work, and if not why: "serving"; "no_worker" (none registered, or
+    stopped, or its heartbeat went silent); or its open breaker's kind (breaker.py: "transient",
+    the server does not answer; "misconfigured"; "repeated_failure") with its last error."""
+    if not alive:
+        return "no_worker", ("its worker stopped or was never started" if gpu not in reads.heartbeats
+                             else "no heartbeat from its worker")
+    breaker = reads.breakers.get(gpu) or {}
+    if breaker.get("state") == "open":
+        return str(breaker.get("kind", "transient")), breaker.get("last_error")
+    return "serving", None
+
+
+def render_gpu(reads: Reads, gpu: str, s: Settings) -> dict:
+    age = heartbeat_age_s(reads, gpu)
+    alive = age is not None and age < ALIVE_PERIODS * s.worker_heartbeat_s
+    state, why = gpu_state(reads, gpu, alive)
+    return _aliased({
+        "node": (parse_gpu(gpu) or (0, None))[1],
+        "state": state,
+        "state_reason": why,
+        "completed": count(reads, f"gpu:{gpu}:completed"),
+        "output_tokens": count(reads, f"gpu:{gpu}:output_tokens"),
+        "request_throughput": round(per_second(reads, f"{gpu}:c"), 3),
+        "output_tokens_per_sec": round(per_second(reads, f"{gpu}:t"), 1),
+        "in_flight": in_flight(reads, gpu),
+        "retry_waiting": reads.retry_waiting[gpu],
+        "retries": count(reads, f"gpu:{gpu}:retries"),
+        "worker": reads.workers.get(gpu, {}).get("hostname"),
+        "alive": alive,
+        "heartbeat_age_s": age,
+        # The server's own view (its /metrics, sampled by the worker): running requests
+        # below its decode slots while prompts are pending means the slots are not full.
+        "server": _server_view(reads.servers.get(gpu), reads.now),
+    })
+
+
+def render_nodes(gpus: dict[str, dict]) -> dict:
+    """Per node, the sums of its GPUs' views (render_gpu)."""
+    nodes: dict[str, dict] = {}
+    for view in gpus.values():
+        node = nodes.setdefault(view["node"], {"gpus": 0, "alive": 0, "completed": 0, "in_flight": 0,
+                                               "request_throughput": 0.0, "output_throughput": 0.0})
+        node["gpus"] += 1
+        node["alive"] += view["alive"]
+        node["completed"] += view["completed"]
+        node["in_flight"] += view["in_flight"]
+        node["request_throughput"] = round(node["request_throughput"] + view["request_throughput"], 3)
+        node["output_throughput"] = round(node["output_throughput"] + view["output_throughput"], 1)
+    return nodes
+
+
+def render(reads: Reads, s: Settings) -> dict:
+    job, now = reads.job, reads.now
+    completed, left = count(reads, "completed"), remaining(reads)
+    in_tokens, out_tokens = count(reads, "input_tokens"), count(reads, "output_tokens")
+    rate = per_second(reads, "c")
+    finish_reasons = tally(reads, "finish")
+    lat_n = count(reads, "latency_n")
+    err = reads.storage_error
+    gpus = {gpu: render_gpu(reads, gpu, s) for gpu in reads.gpus}
+    output = job.output or s.output_location()
+    return _aliased({
+        "job": job.name,
+        "status": job.status,
+        "total": count(reads, "total"),
+        "completed": completed,
+        "failed": count(reads, "failed"),
+        "pending": reads.pending,
+        "in_flight": sum(in_flight(reads, gpu) for gpu in reads.gpus),
+        "retry_waiting": sum(reads.retry_waiting.values()),
+        "remaining": left,
+        "retries": count(reads, "retries"),
+        "retry_reasons": tally(reads, "retry"),
+        "rate_per_sec": round(rate, 3),
+        "output_tokens_per_sec": round(per_second(reads, "t"), 1),
+        "input_throughput": round(per_second(reads, "i"), 1),
+        "rate_window_s": s.rate_window_s,
+        "eta_hours": round(left / rate / 3600, 3) if rate > 0 else None,
+        "elapsed_hours": round((now - job.created_at) / 3600, 4),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "avg_input_tokens": _mean(in_tokens, completed),
+        "avg_output_tokens": _mean(out_tokens, completed),
+        "median_output_tokens": output_percentile(reads, 0.5),
+        "p90_output_tokens": output_percentile(reads, 0.9),
+        "short_output_pct": _share_pct(histogram(reads, "hist:").get(0, 0), completed),
+        "finish_reasons": finish_reasons,
+        "truncated_pct": _share_pct(finish_reasons.get("length", 0), completed),
+        "mean_e2e_latency_ms": round(count(reads, "latency_ms_sum") / lat_n, 1) if lat_n else None,
+        "median_e2e_latency_ms": latency_percentile_ms(reads, 0.5),
+        "p90_e2e_latency_ms": latency_percentile_ms(reads, 0.9),
+        "p99_e2e_latency_ms": latency_percentile_ms(reads, 0.99),
+        "latency_rows": lat_n,
+        "batches": count(reads, "batches"),
+        "batch_bytes": count(reads, "batch_bytes"),
+        "s3_uploaded": count(reads, "s3_uploaded"),
+        "s3_bytes": count(reads, "s3_bytes"),
+        "output": output,
+        "s3_uri": output if output.startswith("s3://") else None,
+        "unsealed_rows": reads.unsealed_rows,
+        "sealing_batch": reads.sealing_batch,
+        "storage_error": ({"error": err.get("error"), "since": float(err.get("since", 0)),
+                           "failures": int(err.get("failures", 0))} if err else None),
+        "spooled_batches": count(reads, "spooled"),
+        "spooled_bytes": count(reads, "spooled_bytes"),
+        "dispatch_held": dispatch_held(reads),
+        "params": {"max_tokens": job.params.max_tokens, "temperature": job.params.temperature,
+                   "top_p": job.params.top_p, "top_k": job.params.top_k,
+                   "enable_thinking": job.params.enable_thinking},
+        "gpu_selection": job.selection.describe(),
+        "gpus": gpus,
+        "nodes": render_nodes(gpus),
+        # Seconds since beat's last tick (None: never). Without beat nothing is sealed, shipped
+        # or marked done: `status` says so.
+        "beat_age_s": round(now - reads.beat_seen, 1) if reads.beat_seen is not None else None,
+        "quality": reads.quality,
+        "updated_at": round(reads.updated_at, 3),
+    })
+
+
+def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
+    return render(read(r, name, s), s)
+
+
+def sealing_counts(r: redis.Redis, name: str) -> dict[str, int]:
+    """What beat's sealing decides on, in one transaction: the prompts' outcomes against the
+    total, pending, the rows waiting, the batches in the spool (snapshot's names)."""
+    k = JobKeys(name)
+    pipe = r.pipeline(transaction=True)
+    pipe.hmget(k.counters, "total", "completed", "failed", "spooled")
+    pipe.llen(k.pending)
+    pipe.xlen(k.output)
+    (total, completed, failed, spooled), pending, unsealed = pipe.execute()
+    return {"total": int(total or 0), "completed": int(completed or 0), "failed": int(failed or 0),
+            "spooled_batches": int(spooled or 0), "pending": pending, "unsealed_rows": unsealed}
+
+
+def dispatch_held(reads: Reads) -> dict | None:
+    """Why no new work starts (dispatch/hold.py), or None: the job's own hold (its batches can
+    go nowhere), else Redis's memory hold."""
+    if reads.hold:
+        return {"reason": reads.hold.get("reason"), "error": reads.hold.get("error"),
+                "since": float(reads.hold.get("since", 0))}
+    if reads.memory_hold:
+        m = reads.memory_hold
+        return {"reason": "redis_memory", "error": f"Redis uses {m['used_memory']} of its maxmemory "
+                f"{m['maxmemory']} bytes (hold at {m['ratio']:.0%}) with "
+                f"{m.get('rows_to_seal', '?')} rows waiting to be sealed: beat seals them, and "
+                "dispatch resumes by itself once Redis is below the hold", "since": m["since"]}
+    return None
+
+
+def _server_view(sample: dict | None, now: float) -> dict | None:
+    if sample is None:
+        return None
+    view = {k: sample.get(k) for k in ("running", "queued", "gen_throughput", "token_usage",
+                                       "cache_hit_rate", "error")}
+    view["age_s"] = round(now - sample["at"], 1)
+    return view
+
+
+def is_finished(snap: dict) -> bool:
+    """Every prompt has an outcome and every row is in a batch in the storage (none waits in
+    Redis nor in the spool)."""
+    return (snap["total"] > 0 and snap["completed"] + snap["failed"] >= snap["total"]
+            and snap["pending"] == 0 and snap["unsealed_rows"] == 0
+            and snap.get("sealing_batch") is None and not snap.get("spooled_batches"))
+
+
+def prune_rate(r: redis.Redis, name: str, gpus: list[str], keep_s: float) -> int:
+    """Delete the rate buckets older than keep_s, so the rate hash stays small in a run of
+    days. Walks only the buckets since the last prune (idempotent: two beats may both run it)."""
+    k = JobKeys(name)
+    seconds, _ = r.time()
+    cutoff = int(seconds - keep_s)
+    cutoff -= cutoff % RATE_BUCKET_S
+    start = r.hget(k.rate, "pruned_before") or r.hget(k.counters, "first_completed_at")
+    if start is None:
+        return 0
+    start = int(start) - int(start) % RATE_BUCKET_S
+    deleted = 0
+    fields: list[str] = []
+    for bucket in range(start, cutoff, RATE_BUCKET_S):
+        fields.extend(rate_fields(bucket, gpus))
+        if len(fields) >= 2000:
+            deleted += r.hdel(k.rate, *fields)
+            fields = []
+    if fields:
+        deleted += r.hdel(k.rate, *fields)
+    if cutoff > start:
+        r.hset(k.rate, "pruned_before", cutoff)
+    return deleted
+
+
+# -- the file ------------------------------------------------------------------------------------
+
+def progress_key(job: str) -> str:
+    """Where the job's progress.json lies in a storage: beside its batches and manifest."""
+    return f"{job}/progress.json"
+
+
+def write_progress(storage: Storage, job: str, snap: dict) -> None:
+    storage.put(progress_key(job), json.dumps(snap, indent=1).encode())
+
+
+def read_progress(storage: Storage, job: str) -> dict | None:
+    """The job's progress.json; None when there is none or it is not one (not a JSON object).
+    A storage that does not answer raises StorageError: a reader that waits for the job must not
+    take an outage for a missing file."""
+    try:
+        snap = json.loads(storage.get(progress_key(job)))
+    except (StorageNotFound, ValueError):
+        return None
+    return snap if isinstance(snap, dict) else None

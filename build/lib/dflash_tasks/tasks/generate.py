@@ -1,0 +1,331 @@
+"""The prompt task: one prompt, one SGLang request, one ledger entry, then refill the window.
+
+What each failure does (docs/WHEN_THINGS_FAIL.md has the operator's side):
+
+- transient (`sglang.TransientError`: refused/reset connections, timeouts, 429/5xx, a body that
+  is not SGLang's JSON, an aborted request): retried with exponential backoff and full jitter, on
+  the same GPU's queue, up to `max_retries` attempts; then the prompt goes to the failed registry
+  with its last error (class "transient": `retry-failed` brings it back);
+- permanent (`sglang.PermanentError`: HTTP 400 such as a prompt longer than the context, 404,
+  a 200 without choices): straight to the failed registry with the server's message;
+- the server stops answering: the worker's circuit breaker (worker/breaker.py) opens, and tasks wait
+  *before* sending their request, so they spend no attempt; after `breaker_wait_s` a task puts
+  its prompt back in the queue and frees its thread;
+- the prompt's body cannot be read (kept on the output storage by `enqueue --bodies storage`):
+  S3 out, retried with backoff without spending an attempt, since nothing was sent; its chunk
+  gone or cut short, straight to the failed registry ("prompt_body_missing"); this node refused
+  (credentials), the GPU stops as for a misconfigured server (`_read_body`);
+- the server is not the SGLang it should be (sglang.DeploymentError: a 404 on its endpoints,
+  401/403, another model): the deployment's fault, no attempt spent, the GPU's breaker opens at
+  once and beat hands its prompts to the other GPUs;
+- Redis goes away mid-task (a restart): ledger writes are retried for `redis_outage_s`; every
+  write is idempotent per prompt id, so a write that succeeded before the reply was lost is not
+  counted twice;
+- warm shutdown (shutdown.py): a prompt not sent yet goes back to its queue at once, a request in
+  flight gets `shutdown_grace_s` (0 by default), then is aborted, and what it had generated goes
+  back to pending with the prompt, to be continued on another GPU (`_hand_over`);
+- the end game: a generation on a GPU measurably slower than one with a free slot, once nothing
+  else waits, is aborted here and continued there from its exact tokens (`_hand_over`).
+
+`attempts` counts requests actually sent for the prompt in this round; it travels in the task's
+kwargs (`tries` = failed requests so far), not in Celery's retry count, which also counts the
+hand-backs that sent nothing.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import uuid
+from functools import partial
+from typing import Callable, TypeVar
+
+import redis
+from celery.exceptions import Reject, Retry
+
+from dflash_tasks.core.jobs import GenerationParams
+from dflash_tasks.core.keys import GENERATE_TASK, queue_for
+from dflash_tasks.core.settings import get_settings
+from dflash_tasks.dispatch import publish, topup, window
+from dflash_tasks.ledger import bodies
+from dflash_tasks.ledger.messages import compress_messages_json, decode_messages
+from dflash_tasks.output.rows import build_row
+from dflash_tasks.output.storage import (
+    StorageCorrupt,
+    StorageDenied,
+    StorageError,
+    StorageNotFound,
+    storage_at,
+)
+from dflash_tasks.sglang import (
+    DeploymentError,
+    InvalidRequest,
+    PermanentError,
+    RequestAborted,
+    SGLangError,
+    TransientError,
+)
+from dflash_tasks.sglang.continuation import continue_generation, entry_from_partial
+from dflash_tasks.tasks.app import app
+from dflash_tasks.worker.breaker import TRANSIENT
+from dflash_tasks.worker.runtime import runtime
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError is a ConnectionError
+
+
+class PromptFailed(Exception):
+    """Raised after a prompt was entered in the failed registry, so Flower lists the task as
+    FAILURE with the reason; declared in `throws`, so Celery logs it without a traceback."""
+
+
+def backoff_s(retries: int) -> float:
+    """Exponential backoff with full jitter: spreads the retries of many prompts that failed
+    together (a server restart) instead of sending them back at once."""
+    s = get_settings()
+    return random.uniform(0, min(s.retry_cap_s, s.retry_base_s * 2 ** retries))
+
+
+def durable(what: str, fn: Callable[..., T], *args, **kwargs) -> T:
+    """Run a Redis operation, waiting out a Redis restart for up to `redis_outage_s`. Only for
+    operations that are idempotent per prompt (every ledger script is)."""
+    deadline = time.monotonic() + get_settings().redis_outage_s
+    delay = 0.5
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except REDIS_DOWN as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("Redis unavailable during %s (%s); retrying in %.1fs", what, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
+# No stored result: the ledger holds every outcome (rows, counters, the failed registry), and
+# Flower sees each task's result in its events; storing it cost a GPU worker a SETEX and a PUBLISH
+# per completion (benchmarks/RESULTS.md, case 4: the profile's "result backend").
+@app.task(name=GENERATE_TASK, bind=True, max_retries=None, throws=(PromptFailed,), ignore_result=True)
+def generate(self, job: str, prompt_id: str, gpu: str, tries: int = 0) -> dict:
+    try:
+        return _generate(self, job, prompt_id, gpu, tries)
+    except (Retry, Reject, PromptFailed, *REDIS_DOWN):
+        raise
+    except Exception as exc:
+        # A bug, not an answer of the server: park the prompt in the registry (with the error)
+        # instead of letting the reaper send it again and again.
+        log.exception("prompt %s on %s: unexpected error", prompt_id, gpu)
+        _record_failure(job, prompt_id, gpu, reason="internal_error", klass="permanent",
+                        error=f"{type(exc).__name__}: {exc}", status=None, attempts=tries + 1)
+    finally:
+        _refill(job, gpu)
+
+
+def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
+    book = runtime().book
+    shutdown = runtime().shutdown
+    if shutdown.requested():
+        raise Reject("worker shutting down: prompt returned to its queue", requeue=True)
+    state = durable("reading the prompt", book.task_state, job, prompt_id, gpu)
+    runtime().settings.failpoint("generate.after_read")
+    # An outcome already there: the prompt leaves this GPU's in-flight set, unless it came back
+    # and was dispatched here again since the read (drop_settled checks in the same step).
+    if state.done:
+        window.drop_settled(book.r, job, gpu, prompt_id)
+        return {"id": prompt_id, "skipped": "already done"}
+    if state.failed:
+        window.drop_settled(book.r, job, gpu, prompt_id)
+        return {"id": prompt_id, "skipped": "in the failed registry (see retry-failed)"}
+    if not state.stored or state.params is None:
+        window.drop_settled(book.r, job, gpu, prompt_id)
+        return {"id": prompt_id, "skipped": "not pending (job removed)"}
+    if not state.in_flight_here:
+        # Recalled from this GPU (a cancel, a GPU the job no longer uses, this worker given up
+        # for gone) while the message waited: the prompt is pending again, or dispatched elsewhere.
+        return {"id": prompt_id, "skipped": f"no longer dispatched to {gpu}"}
+    if state.messages is None:
+        decoded = _read_body(self, job, prompt_id, gpu, tries, state)
+        if decoded is None:
+            return {"id": prompt_id, "skipped": "done by another delivery, or its job deleted"}
+        state = state.with_body(decoded)
+    messages = state.messages
+    params = GenerationParams.from_dict(state.params)
+    s = get_settings()
+    client = runtime().client(gpu)
+    circuit = runtime().breaker(gpu)
+    was_open = not circuit.closed
+    if not circuit.wait_closed(s.breaker_wait_s):
+        # Nothing was sent: the prompt goes back to the queue with its attempts unspent, and
+        # this thread is free (the visibility timeout never runs out on a waiting message).
+        why = "worker shutting down" if shutdown.requested() else \
+            f"server unavailable for {s.breaker_wait_s:.0f}s (circuit open)"
+        raise Reject(f"{why}: prompt returned to its queue", requeue=True)
+    if was_open and not durable("reading the prompt", book.task_state, job, prompt_id,
+                                gpu).in_flight_here:
+        # While this waited, beat handed the GPU's prompts to the others (a breaker open long).
+        return {"id": prompt_id, "skipped": f"handed to another GPU while {gpu} was unavailable"}
+
+    attempt = tries + 1
+    # Unique per request (SGLang keys its running requests by rid), so a stray second delivery
+    # never collides with the first; `abort` uses the exact rid.
+    rid = f"{job}:{prompt_id}:{attempt}:{uuid.uuid4().hex[:12]}"
+    try:
+        server = client.contract()  # learnt at the worker's start (hooks.py), then cached
+        with shutdown.tracked(rid, lambda: client.abort(rid)):
+            # regenerate --continue: only the missing tokens; unless the cap was lowered since
+            # to what the output already has, and it is generated anew at the job's cap
+            if state.continuation and len(state.continuation["response_ids"]) < params.max_tokens:
+                completion = continue_generation(client, state.continuation, params, rid)
+            else:
+                completion = client.chat(messages, max_tokens=params.max_tokens,
+                                         temperature=params.temperature, top_p=params.top_p,
+                                         top_k=params.top_k,
+                                         enable_thinking=params.enable_thinking, rid=rid)
+    except TransientError as exc:
+        if isinstance(exc, RequestAborted) and exc.partial is not None and \
+                (moved := _hand_over(job, prompt_id, gpu, messages, exc.partial, params)):
+            return moved
+        if exc.reason == "timeout":
+            client.abort(rid)  # or the server keeps decoding for nobody
+        if shutdown.requested():
+            raise Reject(f"worker shutting down ({exc.reason}): prompt returned to its queue",
+                         requeue=True) from None
+        circuit.record_failure(str(exc))
+        if attempt <= s.max_retries:
+            countdown = backoff_s(tries)
+            if not durable("counting a retry", book.note_retry, job, prompt_id, gpu, exc.reason,
+                           time.time() + countdown):
+                return {"id": prompt_id, "skipped": "done by another delivery, or its job deleted"}
+            log.info("prompt %s on %s: %s; retry %d/%d in %.1fs", prompt_id, gpu, exc,
+                     attempt, s.max_retries, countdown)
+            raise self.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
+                             args=(job, prompt_id, gpu), kwargs={"tries": attempt})
+        _fail(job, prompt_id, gpu, exc, attempt)
+    except DeploymentError as exc:
+        # Not the prompt's fault: no attempt spent, no failure recorded. The GPU stops taking
+        # work at once and beat hands its prompts to the job's other GPUs (breaker.py).
+        circuit.trip(exc.reason, str(exc), client.identity_ok)
+        raise Reject(f"{gpu}: {exc}: prompt returned to its queue", requeue=True) from None
+    except PermanentError as exc:
+        if isinstance(exc, InvalidRequest) and exc.context_too_long:
+            circuit.record_success()  # the server answered, about this prompt at this cap
+        else:  # answered, but the same answer to every request is the server's (breaker.py)
+            circuit.record_permanent(exc.reason, str(exc))
+        _fail(job, prompt_id, gpu, exc, attempt)
+    circuit.record_success()
+    row = build_row(prompt_id, messages, completion, job=job, gpu=gpu, params=params,
+                    attempts=attempt, server=server)
+    recorded = durable("recording the row",
+                       lambda: book.complete(job, prompt_id, gpu, row,
+                                             bare_entry=state.bare_entry))
+    return {"id": prompt_id, "finish_reason": completion.finish_reason,
+            "completion_tokens": completion.completion_tokens, "attempts": attempt,
+            **({} if recorded else {"skipped": "duplicate delivery"})}
+
+
+def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> list | dict | None:
+    """The entry of a prompt whose body is kept on storage (ledger/bodies.py: its messages, or
+    those of a truncated row to continue with what the continuation needs), by fault:
+    - the storage out (S3 unreachable, a slow disk): waited out like a server that does not
+      answer, nothing was sent so the retry spends no attempt; once the outage has lasted
+      breaker_wait_s the GPU's breaker opens and says so (status), until a read works again;
+    - the chunk gone, or shorter than its reference: the prompt fails at once
+      (prompt_body_missing), since waiting will not bring it back;
+    - this node refused (no credentials, access denied): the deployment's fault, so the GPU
+      stops taking work and its prompts go elsewhere, like a misconfigured server."""
+    outage = runtime().prompt_storage
+    try:
+        if state.body_location is None:
+            raise StorageNotFound(f"job {job} records no location for its prompt bodies")
+        storage = storage_at(state.body_location, get_settings(), readers=runtime().pool_size())
+        frame = bodies.read_frame(storage, job, state.body_reference)
+    except (StorageNotFound, StorageCorrupt) as exc:
+        _record_failure(job, prompt_id, gpu, reason="prompt_body_missing", klass="permanent",
+                        error=str(exc), status=None, attempts=tries)
+    except StorageDenied as exc:
+        runtime().breaker(gpu).trip("prompt_storage_denied", str(exc),
+                                    partial(_readable, storage, job, state.body_reference))
+        raise Reject(f"{gpu}: {exc}: prompt returned to its queue", requeue=True) from None
+    except StorageError as exc:
+        countdown = backoff_s(min(task.request.retries, 10))
+        if not durable("counting a retry", runtime().book.note_retry, job, prompt_id, gpu,
+                       "prompt_storage", time.time() + countdown):
+            return None
+        # One warning per outage, not one per thread and retry (the rest at DEBUG).
+        log.log(logging.WARNING if outage.failed() else logging.DEBUG,
+                "prompt %s on %s: cannot read its text (%s); again in %.1fs, no attempt spent "
+                "(prompts wait until the storage answers)", prompt_id, gpu, exc, countdown)
+        if (lasted := outage.lasted_s()) >= get_settings().breaker_wait_s:
+            runtime().breaker(gpu).trip(
+                "prompt_storage", f"prompt texts unreadable for {lasted:.0f}s: {exc}",
+                partial(_readable, storage, job, state.body_reference), kind=TRANSIENT)
+        raise task.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
+                         args=(job, prompt_id, gpu), kwargs={"tries": tries})
+    if (ended := outage.succeeded()) is not None:
+        log.warning("prompt texts readable again after %.0fs (%d reads failed meanwhile)",
+                    ended[1], ended[0])
+    return decode_messages(frame)
+
+
+def _readable(storage, job: str, reference: bytes) -> bool:
+    """The breaker's probe while prompt texts cannot be read: one read of a prompt's bytes."""
+    try:
+        bodies.read_frame(storage, job, reference)
+        return True
+    except StorageError:
+        return False
+
+
+def _hand_over(job: str, prompt_id: str, gpu: str, messages: list[dict], partial,
+               params: GenerationParams) -> dict | None:
+    """A generation aborted here with its partial output, to go on elsewhere from its exact
+    tokens: ordered moved to a faster GPU at the end of the run (take.lua, worker/migration.py),
+    or this worker is stopping (then back to the front of pending, for the job's other GPUs).
+    Its entry becomes the one that continues it, and the prompt moves there (hand_over.lua); the
+    row made there counts each token once and names every GPU that worked on it. None when the
+    abort was neither (it is retried as before)."""
+    book, stopping = runtime().book, runtime().shutdown.requested()
+    target = None if stopping else window.migration_target(book.r, job, prompt_id, gpu)
+    if target is None and not stopping:
+        return None
+    entry = entry_from_partial(messages, partial, gpu, params.enable_thinking)
+    tokens = partial.completion_tokens - partial.continued_tokens
+    frame = compress_messages_json(json.dumps(entry, separators=(",", ":")).encode())
+    if not durable("handing the generation over", window.hand_over, book.r, job, prompt_id, gpu,
+                   target, frame, tokens):
+        return {"id": prompt_id, "skipped": "no longer in flight here: not handed over"}
+    runtime().settings.failpoint("generate.after_hand_over")
+    if target is not None:
+        publish(app, job, target, [prompt_id])
+    log.info("prompt %s: %d tokens generated on %s, continued on %s", prompt_id, tokens, gpu,
+             target or "another GPU (this worker stops)")
+    return {"id": prompt_id, "moved_to": target or "pending", "tokens": tokens}
+
+
+def _refill(job: str, gpu: str) -> None:
+    if runtime().shutdown.requested():
+        return  # the next worker (or beat's maintain) refills; this one takes nothing new
+    try:
+        topup(app, runtime().book, runtime().settings, job, gpu, runtime().concurrency)
+    except Exception as exc:  # Redis away: beat's maintain tops the window up within 10 s
+        log.warning("%s: could not top up job %s's window (%s)", gpu, job, exc)
+
+
+def _fail(job: str, prompt_id: str, gpu: str, exc: SGLangError, attempts: int) -> None:
+    _record_failure(job, prompt_id, gpu, reason=exc.reason,
+                    klass="transient" if exc.transient else "permanent", error=str(exc),
+                    status=exc.status, attempts=attempts)
+
+
+def _record_failure(job: str, prompt_id: str, gpu: str, *, reason: str, klass: str, error: str,
+                    status: int | None, attempts: int) -> None:
+    """Enter the prompt in the failed registry, then raise PromptFailed (Flower: FAILURE)."""
+    record = {"id": prompt_id, "reason": reason, "class": klass, "error": error[:2000],
+              "status": status, "attempts": attempts, "gpu": gpu, "at": round(time.time(), 3)}
+    durable("recording a failure",
+            lambda: runtime().book.fail(job, prompt_id, gpu, record))
+    log.warning("prompt %s failed (%s, %s) on %s after %d attempt(s): %s", prompt_id, klass,
+                reason, gpu, attempts, error[:500])
+    raise PromptFailed(f"{reason}: {error[:500]}")
