@@ -16,7 +16,7 @@ from functools import wraps
 import redis
 
 from dflash_tasks.cli.processes import beat_args, celery_argv
-from dflash_tasks.ledger import Ledger
+from dflash_tasks.output import sealing
 from dflash_tasks.output.batches import BatchWriter
 from dflash_tasks.output.storage import LocalStorage, S3Storage
 
@@ -32,7 +32,8 @@ def crash(step: str) -> None:
 
 
 def after(cls, method: str, step: str, when=lambda result, *args, **kwargs: True) -> None:
-    """cls.method runs, then the process exits if `when` says this call ends the step."""
+    """cls.method (a class's, or a module's function) runs, then the process exits if `when`
+    says this call ends the step."""
     original = getattr(cls, method)
 
     @wraps(original)
@@ -53,11 +54,11 @@ def arm(step: str) -> None:
         for storage in (S3Storage, LocalStorage):
             after(storage, "put", step, lambda result, _self, key, *a, **k: "/batches/" in key)
     elif step == "after_record":
-        after(Ledger, "record_batch", step)
+        after(sealing, "record_batch", step)
     elif step == "after_manifest":
         after(BatchWriter, "write_manifest", step)
     elif step == "after_delete":  # the one call that removes the batch's rows (drop_sealed.lua)
-        after(Ledger, "drop_sealed", step)
+        after(sealing, "drop_sealed", step)
     else:
         raise SystemExit(f"unknown step {step!r}: one of {', '.join(STEPS)}")
 

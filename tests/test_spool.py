@@ -24,6 +24,7 @@ from dflash_tasks.core.keys import MEMORY_HOLD, JobKeys
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.dispatch import window
 from dflash_tasks.ledger import Ledger
+from dflash_tasks.output import sealing
 from dflash_tasks.output.batches import SPOOLED, BatchPolicy, BatchWriter, read_batch, read_manifest
 from dflash_tasks.output.spool import Spool
 from dflash_tasks.output.storage import LocalStorage, StorageError
@@ -210,13 +211,13 @@ def test_a_spool_that_is_not_a_directory_fails_the_same_way(r, tmp_path):
     assert r.xlen(JobKeys(JOB).output) == 50
 
 
-STEPS = [  # (class, method, when): a beat dies right after this call
+STEPS = [  # (class or module, function, when): a beat dies right after this call
     (Spool, "write", lambda *a, **k: True),
-    (Ledger, "record_batch", lambda *a, **k: True),
-    (Ledger, "drop_sealed", lambda *a, **k: True),  # the batch's rows leave the stream
+    (sealing, "record_batch", lambda *a, **k: True),
+    (sealing, "drop_sealed", lambda *a, **k: True),  # the batch's rows leave the stream
     # S3 is back: the spooled batch's upload, its record's switch, the manifest
     (CutRemote, "put", lambda _self, key, *a, **k: "/batches/" in key),
-    (Ledger, "ship_spooled", lambda *a, **k: True),
+    (sealing, "ship_spooled", lambda *a, **k: True),
     (BatchWriter, "write_manifest", lambda *a, **k: True),
 ]
 
