@@ -2,13 +2,11 @@
 real CLI, and workers/launch_node.py run for real against simulated servers."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shlex
 import signal
-import sys
 from pathlib import Path
 
 import click
@@ -111,11 +109,9 @@ def gpu_devices(service: dict) -> list[str]:
 
 
 def load_launcher():
-    spec = importlib.util.spec_from_file_location("launch_node", ROOT / "workers" / "launch_node.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["launch_node"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    from dflash_tasks.cli import launch_node
+
+    return launch_node
 
 
 SGLANG = {name: s for name, s in SERVICES.items() if "sglang.launch_server" in argv(s)}
