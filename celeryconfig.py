@@ -1,25 +1,12 @@
-"""Celery configuration, read by dflash_tasks.tasks.app with config_from_object("celeryconfig").
-
-Values that depend on the deployment come from DFLASH_* environment variables (settings.py).
-"""
+"""Celery configuration, read by dflash_tasks.tasks.app: the module's names are the settings
+that do not depend on the deployment (config_from_object("celeryconfig")); `deployment(s)`
+gives those that do, from the process's Settings (DFLASH_* variables, settings.py). Importing
+this module reads no setting."""
 from datetime import timedelta
 
 from dflash_tasks.core.keys import CONTROL_QUEUE, LAUNCH_TRAINING_TASK, MAINTAIN_TASK, TICK_TASK
-from dflash_tasks.core.settings import get_settings, sentinel_nodes
+from dflash_tasks.core.settings import Settings
 
-_s = get_settings()
-
-broker_url = _s.redis_url
-result_backend = _s.redis_url
-# The broker's transport is kombu's Redis transport (its Sentinel one for sentinel:// URLs) with
-# two fixes (dflash_tasks/worker/transport.py), registered for redis:// and sentinel:// URLs by
-# dflash_tasks/tasks/app.py, not named here. A sentinel:// result backend is Celery's
-# SentinelBackend. The password stays out of the URLs (Celery masks these settings' values):
-# the broker's and the result backend's, for a URL that has none.
-broker_password = redis_password = _s.redis_password_value()
-# Both find the master of this name through the sentinels at every reconnect.
-_sentinel = {"master_name": _s.redis_master_name, "sentinel_kwargs": _s.sentinel_kwargs()} \
-    if sentinel_nodes(_s.redis_url) else {}
 include = ["dflash_tasks.tasks.generate", "dflash_tasks.tasks.control", "dflash_tasks.tasks.train"]
 
 # JSON only: a worker never unpickles what it reads from the broker. A message in another
@@ -37,25 +24,6 @@ task_reject_on_worker_lost = True
 # A worker reserves no more messages than it has threads: while its breaker holds every thread,
 # the rest of its window stays in the broker (visible in Flower), not in the worker's memory.
 worker_prefetch_multiplier = 1
-
-# A message not acknowledged within the visibility timeout is delivered again, running or not:
-# it must exceed the longest a message stays unacknowledged in a worker (Settings.
-# longest_unacked_s: request timeout + retry wait + breaker wait, about 42 minutes by default,
-# against 4 hours; a worker warns at start-up when it does not). A copy delivered anyway is
-# harmless: the ledger records a prompt once. Same value for the result backend, or its pub/sub
-# reconnects behave differently. Workers look for expired messages every
-# unacked_restore_interval_s (kombu's own default scans only every 10th tick of 10 s).
-broker_transport_options = {
-    "visibility_timeout": _s.visibility_timeout_s,
-    "unacked_restore_interval": _s.unacked_restore_interval_s,
-    "unacked_restore_throttle": 1,
-    "socket_keepalive": True,
-    "health_check_interval": 25,
-    # master_password: kombu loses broker_password when a failover moves it to the next sentinel
-    # (dflash_tasks/worker/transport.py's SentinelChannel).
-    **({**_sentinel, "master_password": broker_password} if _sentinel else {}),
-}
-result_backend_transport_options = {"visibility_timeout": _s.visibility_timeout_s, **_sentinel}
 
 # Redis restarts (a day-long run sees them): workers and beat reconnect by themselves, forever.
 broker_connection_retry_on_startup = True
@@ -94,12 +62,49 @@ task_create_missing_queues = True
 task_send_sent_event = True
 worker_send_task_events = False
 
-beat_schedule = {
-    "tick": {"task": TICK_TASK, "schedule": timedelta(seconds=_s.progress_interval_s),
-             "options": {"queue": CONTROL_QUEUE, "expires": _s.progress_interval_s * 2}},
-    "maintain": {"task": MAINTAIN_TASK, "schedule": timedelta(seconds=_s.maintain_interval_s),
-                 "options": {"queue": CONTROL_QUEUE, "expires": _s.maintain_interval_s * 2}},
-    "launch-training": {"task": LAUNCH_TRAINING_TASK,
-                        "schedule": timedelta(seconds=_s.progress_interval_s),
-                        "options": {"queue": CONTROL_QUEUE, "expires": _s.progress_interval_s * 2}},
-}
+
+def deployment(s: Settings) -> dict:
+    """The settings that depend on the deployment: its Redis, the visibility timeout, beat's
+    periods."""
+    # The broker's transport is kombu's Redis transport (its Sentinel one for sentinel:// URLs)
+    # with two fixes (dflash_tasks/worker/transport.py), registered for redis:// and sentinel://
+    # URLs by dflash_tasks/tasks/app.py, not named here. A sentinel:// result backend is Celery's
+    # SentinelBackend. The password stays out of the URLs (Celery masks these settings'
+    # values): the broker's and the result backend's, for a URL that has none.
+    password = s.redis_password_value()
+    # Both find the master of this name through the sentinels at every reconnect.
+    sentinel = {"master_name": s.redis_master_name, "sentinel_kwargs": s.sentinel_kwargs()} \
+        if s.sentinels() else {}
+    # A message not acknowledged within the visibility timeout is delivered again, running or
+    # not: it must exceed the longest a message stays unacknowledged in a worker (Settings.
+    # longest_unacked_s: request timeout + retry wait + breaker wait, about 42 minutes by
+    # default, against 4 hours; a worker warns at start-up when it does not). A copy delivered
+    # anyway is harmless: the ledger records a prompt once. Same value for the result backend,
+    # or its pub/sub reconnects behave differently. Workers look for expired messages every
+    # unacked_restore_interval_s (kombu's own default scans only every 10th tick of 10 s).
+    broker_transport_options = {
+        "visibility_timeout": s.visibility_timeout_s,
+        "unacked_restore_interval": s.unacked_restore_interval_s,
+        "unacked_restore_throttle": 1,
+        "socket_keepalive": True,
+        "health_check_interval": 25,
+        # master_password: kombu loses broker_password when a failover moves it to the next
+        # sentinel (dflash_tasks/worker/transport.py's SentinelChannel).
+        **({**sentinel, "master_password": password} if sentinel else {}),
+    }
+    result_backend_transport_options = {"visibility_timeout": s.visibility_timeout_s, **sentinel}
+    beat_schedule = {
+        "tick": {"task": TICK_TASK, "schedule": timedelta(seconds=s.progress_interval_s),
+                 "options": {"queue": CONTROL_QUEUE, "expires": s.progress_interval_s * 2}},
+        "maintain": {"task": MAINTAIN_TASK, "schedule": timedelta(seconds=s.maintain_interval_s),
+                     "options": {"queue": CONTROL_QUEUE, "expires": s.maintain_interval_s * 2}},
+        "launch-training": {"task": LAUNCH_TRAINING_TASK,
+                            "schedule": timedelta(seconds=s.progress_interval_s),
+                            "options": {"queue": CONTROL_QUEUE,
+                                        "expires": s.progress_interval_s * 2}},
+    }
+    return {"broker_url": s.redis_url, "result_backend": s.redis_url,
+            "broker_password": password, "redis_password": password,
+            "broker_transport_options": broker_transport_options,
+            "result_backend_transport_options": result_backend_transport_options,
+            "beat_schedule": beat_schedule}

@@ -191,12 +191,13 @@ def test_breaker_opens_on_consecutive_failures_and_closes_after_healthy_probes()
 
 def test_backoff_is_full_jitter_under_an_exponential_cap(monkeypatch):
     from dflash_tasks.core.settings import get_settings
-    from dflash_tasks.tasks.generate import backoff_s
+    from dflash_tasks.dispatch.retry import RetryPolicy
 
     s = get_settings()
+    policy = RetryPolicy.from_settings(s)  # the deployed policy
     for retries in range(12):
         cap = min(s.retry_cap_s, s.retry_base_s * 2 ** retries)
-        waits = [backoff_s(retries) for _ in range(200)]
+        waits = [policy.backoff_s(retries) for _ in range(200)]
         assert all(0 <= w <= cap for w in waits)
         assert max(waits) > cap / 2  # spread over the whole range, not a fixed delay
     assert s.visibility_timeout_s > s.longest_unacked_s()  # the defaults are consistent

@@ -216,3 +216,12 @@ def test_the_architecture_key_table_matches_keys_py():
     code, docs = keys_in_code(), keys_in_docs()
     assert code == docs, (f"only in keys.py: {sorted(code - docs)}; "
                           f"only in docs/ARCHITECTURE.md: {sorted(docs - code)}")
+
+
+def test_importing_the_celery_config_reads_no_setting():
+    """celeryconfig's names are what does not depend on the deployment; the rest comes from the
+    process's Settings through deployment(s), when the app is made (tasks/app.py)."""
+    bad = {"PATH": "/usr/bin:/bin", "DFLASH_REDIS_URL": "nonsense://"}  # refused by Settings
+    done = subprocess.run([sys.executable, "-c", "import celeryconfig"], cwd=ROOT, env=bad,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -93,15 +93,21 @@ def failed(name: str, as_json: bool, limit: int) -> None:
 
 
 def _check_reason_and_gpu(r, name: str, reason: str | None, gpu: str | None) -> None:
-    """A --reason or --gpu that can match nothing is a typo: refused with the choices."""
+    """A --reason or --gpu that can match nothing is a typo: refused with the choices (the
+    reasons the server's answers have, the classes, and those in this job's registry: a task's
+    own, such as internal_error or prompt_body_missing)."""
     from dflash_tasks import dispatch
     from dflash_tasks.core.keys import parse_gpu
-    from dflash_tasks.dispatch.failures import CLASSES
+    from dflash_tasks.dispatch.failures import CLASSES, read
+    from dflash_tasks.ledger import shared_ledger
     from dflash_tasks.sglang import REASONS
 
-    if reason is not None and reason not in (*REASONS, *CLASSES):
-        raise click.BadParameter(f"{reason!r} is not a failure reason: one of "
-                                 f"{', '.join((*REASONS, *CLASSES))}", param_hint="--reason")
+    if reason is not None:
+        known = dict.fromkeys((*REASONS, *CLASSES, *sorted(
+            rec.get("reason", "unknown") for _, _, rec in read(shared_ledger(), name))))
+        if reason not in known:
+            raise click.BadParameter(f"{reason!r} is not a failure reason: one of "
+                                     f"{', '.join(known)}", param_hint="--reason")
     if gpu is not None:
         ran_on = dispatch.dispatched_gpus(r, name)
         if parse_gpu(gpu) is None or gpu not in ran_on:

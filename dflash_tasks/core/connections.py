@@ -3,14 +3,17 @@ or on the master Redis Sentinel names, and the check that its Redis persists."""
 from __future__ import annotations
 
 import logging
+import time
 from functools import lru_cache
+from typing import Callable, TypeVar
 
 import redis
 from redis.sentinel import Sentinel
 
-from dflash_tasks.core.settings import Settings, get_settings, redact_url, sentinel_nodes
+from dflash_tasks.core.settings import Settings, get_settings, redact_url
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @lru_cache(maxsize=1)
@@ -26,7 +29,7 @@ def connect(s: Settings, **options) -> redis.Redis:
     follows a failover by itself (a command that was on the lost connection fails; the
     callers' retries cover that)."""
     password = s.redis_password_value()
-    found = sentinel_nodes(s.redis_url)
+    found = s.sentinels()
     if found is None:
         return redis.Redis.from_url(s.redis_url, password=password, **options)
     nodes, db = found
@@ -58,3 +61,25 @@ def check_persistence(r: redis.Redis, s: Settings) -> None:
             "restart would lose every prompt's state. Run it with `--appendonly yes --appendfsync "
             "everysec` (docker-compose.yml does), or set DFLASH_ALLOW_NO_PERSISTENCE=1 to accept "
             "that for a throw-away run")
+
+
+# A Redis that restarts, or a Sentinel failover, shows as these for a while (BusyLoadingError,
+# while it loads its data, is a ConnectionError).
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+def through_outage(what: str, outage_s: float, fn: Callable[..., T], *args, **kwargs) -> T:
+    """fn(*args, **kwargs), waiting out a Redis restart for up to `outage_s`. Only for
+    operations that are idempotent (every ledger script is, per prompt): one that succeeded
+    before its reply was lost may run again."""
+    deadline = time.monotonic() + outage_s
+    delay = 0.5
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except REDIS_DOWN as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("Redis unavailable during %s (%s); retrying in %.1fs", what, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)

@@ -218,6 +218,11 @@ class Settings(BaseSettings):
         """The Redis servers' password in clear, for the clients that send it (never logged)."""
         return self.redis_password.get_secret_value() if self.redis_password else None
 
+    def sentinels(self) -> tuple[list[tuple[str, int]], int] | None:
+        """The sentinels (host, port) and the database of a sentinel:// redis_url; None for any
+        other URL (the validator has refused a malformed one)."""
+        return sentinel_nodes(self.redis_url)
+
     def sentinel_kwargs(self) -> dict:
         """redis-py's arguments for the connections to the sentinels (kombu's and Celery's
         `sentinel_kwargs` too): their password, and timeouts, so that a sentinel that hangs is

@@ -43,11 +43,10 @@ import hashlib
 import json
 import logging
 import math
-import re
 import time
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import redis
 import zstandard
@@ -57,10 +56,9 @@ from dflash_tasks.core.locks import HeldLock
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger import Ledger, entry_order
 from dflash_tasks.output import sealing
+from dflash_tasks.output.sealing import BATCH_NAME, batch_name
+from dflash_tasks.output.spool import Spool
 from dflash_tasks.output.storage import Storage, StorageError
-
-if TYPE_CHECKING:  # spool.py imports this module (batch names); the writer is given a Spool
-    from dflash_tasks.output.spool import Spool
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +104,6 @@ def manifest_part_key(job: str, part: int) -> str:
 
 def superseded_key(job: str) -> str:
     return f"{job}/superseded.json"
-
-
-def batch_name(first_entry_id: str) -> str:
-    ms, seq = first_entry_id.split("-")
-    return f"batch-{int(ms):013d}-{int(seq):04d}"
-
-
-# The only names batch_name produces (a stream id's milliseconds and sequence number).
-BATCH_NAME = re.compile(r"batch-\d{13}-\d{4,}")
 
 
 class BadManifest(ValueError):

@@ -1,9 +1,10 @@
 """Sealing's steps in Redis, each one script in `lua/` (batches.py runs them in order): enter a
 written batch in the manifest, remove its rows from the output stream, clear the sealing intent,
-and switch a spooled batch's record to the shipped one."""
+and switch a spooled batch's record to the shipped one; and the names of batches."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Sequence
 
 import redis
@@ -15,6 +16,15 @@ RECORD_BATCH = Script(__file__, "record_batch")
 DROP_SEALED = Script(__file__, "drop_sealed")
 CLEAR_SEALING = Script(__file__, "clear_sealing")
 SHIP_SPOOLED = Script(__file__, "ship_spooled")
+# The only names batch_name produces (a stream id's milliseconds and sequence number).
+BATCH_NAME = re.compile(r"batch-\d{13}-\d{4,}")
+
+
+def batch_name(first_entry_id: str) -> str:
+    """A batch is named after its first row's stream entry, so a tick that dies and the one that
+    takes over seal the same rows under the same name."""
+    ms, seq = first_entry_id.split("-")
+    return f"batch-{int(ms):013d}-{int(seq):04d}"
 
 
 def _increments(counts: dict[str, int] | None) -> list:

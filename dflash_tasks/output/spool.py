@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from dflash_tasks.core.keys import check_job_name
-from dflash_tasks.output.batches import BATCH_NAME
+from dflash_tasks.output.sealing import BATCH_NAME
 from dflash_tasks.output.storage import fsync_dir, write_whole
 
 SUFFIX = ".jsonl.zst"

@@ -133,9 +133,13 @@ def error_for_status(status: int, message: str, url: str) -> SGLangError:
     return InvalidRequest(message, url=url, status=status)
 
 
-TRANSIENT_REASONS = ("transient", "unavailable", "timeout", "bad_response", "aborted")
+def _reasons(base: type[SGLangError]) -> tuple[str, ...]:
+    """The reasons of a class and of every class below it, each written once, on its class."""
+    return (base.reason, *(r for sub in base.__subclasses__() for r in _reasons(sub)))
+
+
+TRANSIENT_REASONS = _reasons(TransientError)
 # model_not_found: a 404 failed prompts before 404s were the deployment's (old registry entries).
-PERMANENT_REASONS = ("permanent", "invalid_request", "model_not_found", "empty_response")
+PERMANENT_REASONS = (*_reasons(PermanentError), "model_not_found")
 REASONS = TRANSIENT_REASONS + PERMANENT_REASONS
-DEPLOYMENT_REASONS = ("deployment", "server_not_found", "unauthorized", "server_info_unreadable",
-                      "model_changed")
+DEPLOYMENT_REASONS = _reasons(DeploymentError)

@@ -1,10 +1,17 @@
-"""The Celery application. Configuration lives in the repository's top-level celeryconfig.py."""
+"""The Celery application. Configuration lives in the repository's top-level celeryconfig.py:
+its names, and what `deployment` derives from this process's Settings."""
+import importlib
 import logging
 
 from celery import Celery, signals
 
+from dflash_tasks.core.settings import get_settings
+
 app = Celery("dflash_tasks")
 app.config_from_object("celeryconfig")
+# Read when the configuration is first needed, not when this module is imported (celeryconfig
+# itself imports the package, which makes this app).
+app.add_defaults(lambda: importlib.import_module("celeryconfig").deployment(get_settings()))
 
 from dflash_tasks.worker import hooks, transport  # noqa: E402  (the app must exist first)
 

@@ -35,19 +35,19 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 import uuid
 from functools import partial
 from typing import Callable, TypeVar
 
-import redis
 from celery.exceptions import Reject, Retry
 
+from dflash_tasks.core.connections import REDIS_DOWN, through_outage
 from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.core.keys import GENERATE_TASK, queue_for
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.dispatch import publish, topup, window
+from dflash_tasks.dispatch.retry import RetryPolicy
 from dflash_tasks.ledger import bodies
 from dflash_tasks.ledger.messages import compress_messages_json, decode_messages
 from dflash_tasks.output.rows import build_row
@@ -73,7 +73,6 @@ from dflash_tasks.worker.runtime import runtime
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError is a ConnectionError
 
 
 class PromptFailed(Exception):
@@ -81,27 +80,9 @@ class PromptFailed(Exception):
     FAILURE with the reason; declared in `throws`, so Celery logs it without a traceback."""
 
 
-def backoff_s(retries: int) -> float:
-    """Exponential backoff with full jitter: spreads the retries of many prompts that failed
-    together (a server restart) instead of sending them back at once."""
-    s = get_settings()
-    return random.uniform(0, min(s.retry_cap_s, s.retry_base_s * 2 ** retries))
-
-
 def durable(what: str, fn: Callable[..., T], *args, **kwargs) -> T:
-    """Run a Redis operation, waiting out a Redis restart for up to `redis_outage_s`. Only for
-    operations that are idempotent per prompt (every ledger script is)."""
-    deadline = time.monotonic() + get_settings().redis_outage_s
-    delay = 0.5
-    while True:
-        try:
-            return fn(*args, **kwargs)
-        except REDIS_DOWN as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            log.warning("Redis unavailable during %s (%s); retrying in %.1fs", what, exc, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 10.0)
+    """A ledger write or read that waits out a Redis restart (`redis_outage_s`)."""
+    return through_outage(what, get_settings().redis_outage_s, fn, *args, **kwargs)
 
 
 # No stored result: the ledger holds every outcome (rows, counters, the failed registry), and
@@ -193,8 +174,9 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
             raise Reject(f"worker shutting down ({exc.reason}): prompt returned to its queue",
                          requeue=True) from None
         circuit.record_failure(str(exc))
-        if attempt <= s.max_retries:
-            countdown = backoff_s(tries)
+        policy = RetryPolicy.from_settings(s)
+        if policy.retries(attempt):
+            countdown = policy.backoff_s(tries)
             if not durable("counting a retry", book.note_retry, job, prompt_id, gpu, exc.reason,
                            time.time() + countdown):
                 return {"id": prompt_id, "skipped": "done by another delivery, or its job deleted"}
@@ -249,7 +231,8 @@ def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> l
                                     partial(_readable, storage, job, state.body_reference))
         raise Reject(f"{gpu}: {exc}: prompt returned to its queue", requeue=True) from None
     except StorageError as exc:
-        countdown = backoff_s(min(task.request.retries, 10))
+        policy = RetryPolicy.from_settings(get_settings())
+        countdown = policy.backoff_s(min(task.request.retries, 10))
         if not durable("counting a retry", runtime().book.note_retry, job, prompt_id, gpu,
                        "prompt_storage", time.time() + countdown):
             return None
