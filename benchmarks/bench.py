@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import data, measure, profile, report, seed_run  # noqa: E402
 from dflash_dev.local import LocalCluster, free_port, wait_until  # noqa: E402
-from dflash_tasks.core.keys import JobKeys, queue_for  # noqa: E402
+from dflash_tasks.core.keys import JobName  # noqa: E402
 from dflash_tasks.core.settings import Settings  # noqa: E402
 from dflash_tasks.ingest.prompts import read_prompts  # noqa: E402
 
@@ -121,7 +121,7 @@ def makespan_case(cfg: Config, work: Path, name: str, dataset: Path, unit_times:
         ours.start_workers(cfg.concurrency)
         ours.start_beat()
         r = redis.Redis.from_url(ours.env["DFLASH_REDIS_URL"])
-        counters = JobKeys("bench").counters
+        counters = JobName("bench").counters
         log(f"{name}: {cfg.prompts:,} prompts, ours and the baseline at once")
         with measure.ServerPoller(ours_urls + base_urls) as poller:
             pids = {n: p.pid for n, p in ours.named.items()}
@@ -246,7 +246,7 @@ def overhead_case(cfg: Config, work: Path, dataset: Path, flower: bool = False) 
                                    for w in c.workers.values()),
                        timeout=60, what="Flower to turn the workers' events on")
         r = redis.Redis.from_url(c.env["DFLASH_REDIS_URL"])
-        k = JobKeys(name)
+        k = JobName(name)
         log(f"case 4: {cfg.overhead_prompts:,} prompts on servers that answer at once"
             f" (Flower {'on' if flower else 'off'})")
         meter = measure.CpuMeter({n: p.pid for n, p in c.named.items()}).start()
@@ -300,7 +300,7 @@ def mark_done(r: redis.Redis, job: str, n: int, gpus: list[str]) -> None:
     """Put the job in the state it has after n completions (rows sealed and gone): the first n
     prompts (the dispatched ones first) in `done`, out of `prompts`/`pending`/in-flight, counted,
     and the GPU queues drained."""
-    k = JobKeys(job)
+    k = JobName(job)
     marked = 0
     for gpu in gpus:
         ids = [m for m, _ in r.zpopmin(k.inflight(gpu), 100_000)]
@@ -308,7 +308,7 @@ def mark_done(r: redis.Redis, job: str, n: int, gpus: list[str]) -> None:
             r.sadd(k.done, *ids)
             r.hdel(k.prompts, *ids)
             marked += len(ids)
-        r.delete(queue_for(gpu))
+        r.delete(gpu)
     while marked < n:
         ids = r.lpop(k.pending, min(10_000, n - marked))
         pipe = r.pipeline(transaction=False)
@@ -342,7 +342,7 @@ def scale_case(cfg: Config, work: Path, prompts: int, done: int, bodies: str) ->
         out = c.manage(*enqueue, capture=True)
         enqueue_s = time.monotonic() - t
         redis_cpu = measure.cpu_seconds(redis_pid) - cpu0
-        total = int(r.hget(JobKeys("scale").counters, "total") or 0)
+        total = int(r.hget(JobName("scale").counters, "total") or 0)
         memory = r.info("memory")["used_memory"] - empty
         chunks = sorted((root / "output" / "scale" / "prompts").glob("*.zst"))
         chunk_bytes = sum(p.stat().st_size for p in chunks)
@@ -354,8 +354,8 @@ def scale_case(cfg: Config, work: Path, prompts: int, done: int, bodies: str) ->
         t = time.monotonic()
         again = c.manage(*enqueue, capture=True)
         resume_s = time.monotonic() - t
-        after = {k.decode(): int(v) for k, v in r.hgetall(JobKeys("scale").counters).items()}
-        pending_after = r.llen(JobKeys("scale").pending)
+        after = {k.decode(): int(v) for k, v in r.hgetall(JobName("scale").counters).items()}
+        pending_after = r.llen(JobName("scale").pending)
         memory_after = r.info("memory")["used_memory"] - empty
         chunks_after = len(list((root / "output" / "scale" / "prompts").glob("*.zst")))
         shutil.rmtree(root / "output", ignore_errors=True)  # gigabytes of chunks at 10M
@@ -424,7 +424,7 @@ def outage_case(cfg: Config, work: Path, dataset: Path) -> dict:
             c.start_workers()
             c.start_beat()
             r = redis.Redis.from_url(c.env["DFLASH_REDIS_URL"])
-            k = JobKeys(job)
+            k = JobName(job)
             spool = root / "output" / ".spool" / job
 
             def completed() -> int:
@@ -528,7 +528,7 @@ def many_gpus_case(cfg: Config, work: Path, dataset: Path, unit_times: list[floa
         first.start_beat()
         startup_s = time.monotonic() - t
         r = redis.Redis.from_url(url)
-        k = JobKeys("many")
+        k = JobName("many")
         pids = {f"{c.node}/{n}": p.pid for c in clusters for n, p in c.named.items()}
         log(f"case 8: {cfg.many_prompts:,} prompts over {n_gpus} GPUs (started in {startup_s:.0f} s)")
         with measure.ServerPoller(urls, interval=1.0) as poller:

@@ -39,11 +39,13 @@ def main() -> None:
 
     from dflash_tasks.cli import cli
     from dflash_tasks.core.connections import redis_client
+    from dflash_tasks.core.keys import JobName
     from dflash_tasks.core.settings import get_settings
     from dflash_tasks.output.progress import snapshot
     from dflash_tasks.tasks.control import tick_job
 
     r, s = redis_client(), get_settings()
+    job = JobName(args.job)
     runner = CliRunner()
 
     def status() -> None:
@@ -57,7 +59,7 @@ def main() -> None:
         times, deadline = [], time.monotonic() + 60
         while len(times) < args.repeat + 1 and time.monotonic() < deadline:
             t = time.perf_counter()
-            ran = tick_job(args.job) is not None
+            ran = tick_job(job) is not None
             if ran:
                 times.append((time.perf_counter() - t) * 1000)
             else:
@@ -65,7 +67,7 @@ def main() -> None:
         return statistics.median(times[1:] or times) if times else float("nan")
 
     out = {"status_ms": median_ms(status, args.repeat),
-           "snapshot_ms": median_ms(lambda: snapshot(r, args.job, s), args.repeat),
+           "snapshot_ms": median_ms(lambda: snapshot(r, job, s), args.repeat),
            "tick_ms": tick_ms()}
     print(json.dumps(out))
 

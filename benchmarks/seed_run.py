@@ -26,7 +26,7 @@ import redis
 
 from dflash_dev.local import LocalCluster, free_port, wait_until
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import WORKERS, WORKERS_SEEN, JobKeys
+from dflash_tasks.core.keys import WORKERS, WORKERS_SEEN, JobName
 from dflash_tasks.ledger import Ledger
 from dflash_tasks.ledger.messages import encode_messages
 from dflash_tasks.output.batches import BatchPolicy, BatchWriter, read_batch, read_manifest
@@ -67,12 +67,12 @@ def _row(rng: random.Random, i: int, gpu: str) -> dict:
 
 def _job_bytes(r: redis.Redis, job: str) -> int:
     return sum(r.memory_usage(key, samples=0) or 0
-               for key in r.scan_iter(match=JobKeys(job).every_key, count=1000))
+               for key in r.scan_iter(match=JobName(job).every_key, count=1000))
 
 
 def continuation_case(work: Path, prompts: int, servers: int = 4) -> dict:
     """Case 10."""
-    root, job = work / "case10", "seed"
+    root, job = work / "case10", JobName("seed")
     rng = random.Random(10)
     with LocalCluster(root / "logs", env={"DFLASH_OUTPUT_DIR": str(root / "output"),
                                           "DFLASH_PROGRESS_INTERVAL_S": "1"}) as c:
@@ -106,13 +106,13 @@ def continuation_case(work: Path, prompts: int, servers: int = 4) -> dict:
                        capture=True).stdout
         regenerate_s = time.monotonic() - t
         used1, job1 = r.info("memory")["used_memory"], _job_bytes(r, job)
-        prompts_entry = statistics.mean(len(r.hget(JobKeys(job).prompts, pid)) for pid in truncated)
+        prompts_entry = statistics.mean(len(r.hget(JobName(job).prompts, pid)) for pid in truncated)
         log("case 10: the continuations, by real workers from the simulated servers")
         c.start_servers(servers, ["--slots", "40", "--decode-tps", "100000"])
         c.start_workers()
         c.start_beat()
         t = time.monotonic()
-        wait_until(lambda: r.hget(JobKeys(job).config, "status") == b"done", timeout=1800,
+        wait_until(lambda: r.hget(JobName(job).config, "status") == b"done", timeout=1800,
                    interval=1.0, what="the continued rows shipped")
         generate_s = time.monotonic() - t
         storage = LocalStorage(root / "output")
@@ -163,13 +163,13 @@ def _fill_unacked(r: redis.Redis, n: int, job: str, gpus: list[str]) -> None:
 
 def fleet_case(work: Path, gpus: int = 64, in_flight: int = 300) -> dict:
     """Case 11."""
-    root, job = work / "case11", "fleet"
+    root, job = work / "case11", JobName("fleet")
     names = [f"gpu{i % 16}@node{i // 16}" for i in range(gpus)]
     with LocalCluster(root / "logs", env={"DFLASH_OUTPUT_DIR": str(root / "output")}) as c:
         r = redis.Redis.from_url(c.start_redis(free_port(), root / "redis"))
         jobs.save(r, job, jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="x")
         Ledger(r).add_prompts(job, [(f"q{i}", "[]") for i in range(100_000)])
-        k = JobKeys(job)
+        k = JobName(job)
         now = time.time()
         pipe = r.pipeline(transaction=False)
         for g, gpu in enumerate(names):
@@ -191,7 +191,7 @@ def fleet_case(work: Path, gpus: int = 64, in_flight: int = 300) -> dict:
 
 def manifest_case(work: Path, batches: int = 1000) -> dict:
     """Case 12."""
-    root, job = work / "case12", "parts"
+    root, job = work / "case12", JobName("parts")
 
     class Counted(LocalStorage):
         written = 0
@@ -238,7 +238,7 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
     longest one on a fastest server), beside a zero-overhead dispatcher without moves."""
     from benchmarks import measure
 
-    root, job = work / "case13", "round"
+    root, job = work / "case13", JobName("round")
     slots, tps = 40, 1500.0
     long_outputs = ["--slots", str(slots), "--decode-tps", f"{tps:g}", "--median-tokens", "7000",
                     "--p-over-4096", "0.9"]
@@ -256,7 +256,7 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
         c.start_beat()
         c.manage("enqueue", "--dataset", str(dataset), "--job", job, "--max-output-tokens", str(CUT),
                  capture=True)
-        wait_until(lambda: r.hget(JobKeys(job).config, "status") == b"done", timeout=1800,
+        wait_until(lambda: r.hget(JobName(job).config, "status") == b"done", timeout=1800,
                    interval=1.0, what="the first round")
         for proc in list(c.children)[1:]:  # everything but Redis: the round starts on fresh servers
             proc.stop(timeout=30)
@@ -271,9 +271,9 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
         with measure.ServerPoller(urls) as poller:
             c.start_workers()
             c.start_beat()
-            wait_until(lambda: r.hget(JobKeys(job).config, "status") == b"done", timeout=1800,
+            wait_until(lambda: r.hget(JobName(job).config, "status") == b"done", timeout=1800,
                        interval=0.5, what="the continuation round")
-        counters = {k.decode(): int(v) for k, v in r.hgetall(JobKeys(job).counters).items()}
+        counters = {k.decode(): int(v) for k, v in r.hgetall(JobName(job).counters).items()}
         storage = LocalStorage(root / "output")
         newest = {}
         for record in read_manifest(storage, job)["batches"]:

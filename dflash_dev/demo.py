@@ -21,6 +21,7 @@ import redis
 
 from dflash_dev.local import LocalCluster, free_port, wait_until
 from dflash_tasks.core import jobs
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.settings import get_settings, redact_url
 from dflash_tasks.output.batches import manifest_key, read_batch, read_manifest
 from dflash_tasks.output.progress import progress_key
@@ -120,7 +121,7 @@ class Demo:
         print()
         self.cluster.manage("enqueue", "--dataset", str(DATASET), "--job", JOB, "--gpus", str(GPUS),
                             "--max-output-tokens", "8192", "--follow")
-        wait_until(lambda: jobs.load(r, JOB).status == "done", timeout=120, what="the final batch")
+        wait_until(lambda: jobs.load(r, JobName(JOB)).status == "done", timeout=120, what="the final batch")
         self.report()
 
     def report(self) -> None:

@@ -19,7 +19,7 @@ import httpx
 import redis
 
 from dflash_tasks.core.connections import connect
-from dflash_tasks.core.keys import WORKERS, gpu_name
+from dflash_tasks.core.keys import WORKERS, GpuName
 from dflash_tasks.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,7 +159,7 @@ class LocalCluster:
 
     def gpu(self, index: int) -> str:
         """The name of this node's GPU `index` (its queue, its worker, its key in progress.json)."""
-        return gpu_name(self.node, index)
+        return GpuName.on(self.node, index)
 
     def _redis(self) -> redis.Redis:
         """A client of the deployment's Redis (its master, behind Sentinel), with the Redis

@@ -26,7 +26,7 @@ import httpx
 import redis
 
 from dflash_dev.local import Proc, free_port, free_port_run, python, wait_until
-from dflash_tasks.core.keys import WORKERS, gpu_name
+from dflash_tasks.core.keys import WORKERS, GpuName
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE = "local"
@@ -125,7 +125,7 @@ def start(where: Path, gpus: int) -> None:
                                     "--node", NODE, "--gpus", ",".join(map(str, range(gpus))),
                                     "--base-port", str(base_port), "--sim-args", SIM_ARGS,
                                     "--log-dir", str(logs)), logs / "launch_node.out", env=env)
-        names = [gpu_name(NODE, i) for i in range(gpus)]
+        names = [GpuName.on(NODE, i) for i in range(gpus)]
         wait_until(lambda: all(r.hexists(WORKERS, g) for g in names), timeout=120,
                    what=f"the workers of {', '.join(names)} to register (logs in {logs})")
         procs["beat"] = Proc(python("manage.py", "beat"), logs / "beat.log", env=env)

@@ -55,6 +55,7 @@ from s3support import storage as s3_storage
 from support import AofRedis, wait_until
 
 from dflash_tasks.core import lifecycle
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.lifecycle import CANCELLED, DONE, PAUSED, RUNNING
 
 DELETED = "deleted"  # the model's own state: the job is gone
@@ -866,7 +867,7 @@ class Sequence:
     def snapshot(self, job: str) -> dict:
         from dflash_tasks.output.progress import snapshot
 
-        return self.d.read(lambda r: snapshot(r, job, self.d.settings))
+        return self.d.read(lambda r: snapshot(r, JobName(job), self.d.settings))
 
     def check_identity(self, job: JobModel, where: str) -> dict:
         """pending + in_flight + retry_waiting + completed + failed == total == the model's ids.

@@ -6,6 +6,7 @@ import json
 from collections import Counter
 
 from dflash_dev.s3 import AWS_ENV, BUCKET, MotoServer, TcpProxy  # noqa: F401  (the tests' names)
+from dflash_tasks.core.keys import JobName
 
 
 def s3_env(endpoint: str, prefix: str = "runs") -> tuple[dict, dict]:
@@ -50,6 +51,7 @@ def shipped_rows(st, job: str) -> tuple[dict, list[dict]]:
 
 
 def assert_shipped_exactly_once(c, st, job: str, expected_ids: set[str]) -> tuple[dict, list[dict]]:
+    job = JobName(job)
     manifest, rows = shipped_rows(st, job)
     ids = [row["id"] for row in rows]
     doubled = [i for i, n in Counter(ids).items() if n > 1]

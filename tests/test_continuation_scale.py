@@ -14,7 +14,7 @@ from conftest import write_jsonl  # noqa: F401  (the tests' shared helpers load 
 from support import wait_until
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.ledger import Ledger
 from dflash_tasks.ledger.messages import encode_messages
 from dflash_tasks.output.batches import BatchPolicy, BatchWriter
@@ -56,13 +56,13 @@ def job_rows(seed: int = 28) -> list[dict]:
 def job_bytes(r, job: str) -> int:
     """Every key of the job, as Redis itself counts its memory."""
     return sum(r.memory_usage(key, samples=0) or 0
-               for key in r.scan_iter(match=JobKeys(job).every_key, count=1000))
+               for key in r.scan_iter(match=JobName(job).every_key, count=1000))
 
 
 @pytest.mark.timeout(400)
 def test_continuing_truncated_rows_keeps_their_prefixes_out_of_redis(cluster, tmp_path):
     c = cluster()
-    r, job = c.r, "seed"
+    r, job = c.r, JobName("seed")
     rows = job_rows()
     truncated = {row["id"]: row for row in rows if row["metadata"]["finish_reason"] == "length"}
     assert 50 < len(truncated) < 120
@@ -75,7 +75,7 @@ def test_continuing_truncated_rows_keeps_their_prefixes_out_of_redis(cluster, tm
     for row in rows:
         assert book.complete(job, row["id"], GPU, row)
     writer.flush(job, final=True)
-    assert r.xlen(JobKeys(job).output) == 0 and book.finish(job) == "done"
+    assert r.xlen(JobName(job).output) == 0 and book.finish(job) == "done"
 
     c.manage("set", "--job", job, "--max-output-tokens", "8192")
     before = job_bytes(r, job)
@@ -84,7 +84,7 @@ def test_continuing_truncated_rows_keeps_their_prefixes_out_of_redis(cluster, tm
            f"{len(truncated) * CUT:,} tokens reused" in out, out
     grown = job_bytes(r, job) - before
     assert grown <= 500 * len(truncated), f"{grown / len(truncated):.0f} bytes per row taken back"
-    k = JobKeys(job)
+    k = JobName(job)
     assert all(len(r.hget(k.prompts, pid)) < 32 for pid in truncated)  # references
 
     c.start_server(0, "--decode-tps", "200000", "--slots", "40")

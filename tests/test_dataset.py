@@ -10,6 +10,7 @@ from support import ROOT, Proc, python, wait_until
 from test_training_data import good_row, six_token_row, write_batches
 from torch.utils.data import DataLoader
 
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.output.batches import read_batch, read_manifest
 from dflash_tasks.output.storage import LocalStorage
 from dflash_tasks.training.data.gate import Rules
@@ -171,7 +172,7 @@ def test_every_shard_keeps_the_newest_row_of_a_regenerated_prompt(redis_url, tmp
     from dflash_tasks.output.batches import BatchPolicy, BatchWriter
 
     r = redis_lib.Redis.from_url(redis_url)
-    book, job, n = Ledger(r), "newest", 60
+    book, job, n = Ledger(r), JobName("newest"), 60
     jobs.save(r, job, jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="x")
     book.add_prompts(job, [(f"good{i:04d}", encode_messages(good_row(i)["conversations"][:1]))
                            for i in range(n)])

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 import redis
 
+from dflash_tasks.core.keys import GpuName, JobName
+
 
 @pytest.fixture
 def dispatch(redis_url):
@@ -20,17 +22,18 @@ def dispatch(redis_url):
 
     book, s = Ledger(redis.Redis.from_url(redis_url)), Settings(redis_url=redis_url)
     return SimpleNamespace(
-        topup=lambda job, gpu: module.topup(app, book, s, job, gpu),
-        withdraw=lambda job, gpu, everything: module.withdraw(book, job, gpu,
+        topup=lambda job, gpu: module.topup(app, book, s, JobName(job), gpu),
+        withdraw=lambda job, gpu, everything: module.withdraw(book, JobName(job), gpu,
                                                               everything=everything))
 
 
-def g(index: int, node: str = "a") -> str:
+def g(index: int, node: str = "a") -> GpuName:
     """A GPU's name (its queue's too)."""
-    return f"gpu{index}@{node}"
+    return GpuName.on(node, index)
 
 
 def setup_job(r: redis.Redis, name: str, n: int, gpus: int, concurrency: int) -> None:
+    name = JobName(name)
     from dflash_tasks.core import jobs
     from dflash_tasks.ledger import Ledger
     from dflash_tasks.ledger.messages import encode_messages
@@ -61,28 +64,28 @@ def queued(r: redis.Redis, queue: str) -> list[tuple[str, str, int]]:
 
 
 def test_topup_publishes_in_the_same_call(dispatch, redis_url):
-    from dflash_tasks.core.keys import JobKeys
+    from dflash_tasks.core.keys import JobName
 
     r = redis.Redis.from_url(redis_url)
     setup_job(r, "w", n=10, gpus=2, concurrency=2)  # window: 2 x 1.5 = 3
     assert dispatch.topup("w", g(0)) == 3
     assert dispatch.topup("w", g(0)) == 0  # the window is full
     assert queued(r, g(0)) == [("w", "p0", g(0)), ("w", "p1", g(0)), ("w", "p2", g(0))]
-    assert {m.decode() for m in r.zrange(JobKeys("w").inflight(g(0)), 0, -1)} == {"p0", "p1", "p2"}
+    assert {m.decode() for m in r.zrange(JobName("w").inflight(g(0)), 0, -1)} == {"p0", "p1", "p2"}
     ids = [json.loads(m)["headers"]["id"] for m in r.lrange(g(0), 0, -1)]
     tags = [json.loads(m)["properties"]["delivery_tag"] for m in r.lrange(g(0), 0, -1)]
     assert len(set(ids)) == len(set(tags)) == 3
     # A finished prompt makes room for one more.
-    r.zrem(JobKeys("w").inflight(g(0)), "p0")
+    r.zrem(JobName("w").inflight(g(0)), "p0")
     assert dispatch.topup("w", g(0)) == 1
     assert queued(r, g(0))[-1] == ("w", "p3", g(0))
 
 
 def test_end_game_takes_the_newest_waiting_prompt_of_the_longest_other_queue(dispatch, redis_url):
-    from dflash_tasks.core.keys import JobKeys
+    from dflash_tasks.core.keys import JobName
 
     r = redis.Redis.from_url(redis_url)
-    k = JobKeys("e")
+    k = JobName("e")
     setup_job(r, "e", n=6, gpus=2, concurrency=2)
     assert dispatch.topup("e", g(0)) == 3 and dispatch.topup("e", g(1)) == 3
     assert r.llen(k.pending) == 0
@@ -114,9 +117,9 @@ def test_a_gpu_the_job_no_longer_uses_takes_nothing(redis_url, dispatch):
     r = redis.Redis.from_url(redis_url)
     setup_job(r, "fewer", 40, gpus=2, concurrency=4)
     assert dispatch.topup("fewer", g(1)) == 6
-    jobs.save(r, "fewer", jobs.GenerationParams(), selection=jobs.GpuSelection.parse("1"),
+    jobs.save(r, JobName("fewer"), jobs.GenerationParams(), selection=jobs.GpuSelection.parse("1"),
               dataset="-", status="running")
-    dispatch.withdraw("fewer", g(1), everything=True)
+    dispatch.withdraw(JobName("fewer"), g(1), everything=True)
     assert dispatch.topup("fewer", g(1)) == 0
     assert r.zcard("dflash:{fewer}:inflight:gpu1@a") == 0 and r.llen(g(1)) == 0
     assert dispatch.topup("fewer", g(0)) == 6
@@ -132,29 +135,29 @@ def test_a_node_that_joins_takes_work_and_nodes_select_gpus(redis_url, dispatch)
 
     r = redis.Redis.from_url(redis_url)
     setup_job(r, "multi", 40, gpus=1, concurrency=2)
-    jobs.save(r, "multi", jobs.GenerationParams(), selection=jobs.GpuSelection(),
+    jobs.save(r, JobName("multi"), jobs.GenerationParams(), selection=jobs.GpuSelection(),
               dataset="-", status="running")
     assert dispatch.topup("multi", g(0)) == 3
     for gpu in (g(0, "b"), g(1, "b")):                     # node b's workers register
         r.hset("dflash:workers", gpu, json.dumps({"concurrency": 2}))
     assert dispatch.topup("multi", g(0, "b")) == 3       # node b joins: its own queue, its own set
     assert [q[2] for q in queued(r, g(0, "b"))] == [g(0, "b")] * 3
-    assert module.dispatched_gpus(r, "multi") == [g(0), g(0, "b")]
-    assert module.dispatched_gpus(r, "multi") == module.job_gpus(r, jobs.load(r, "multi"))[:2]
+    assert module.dispatched_gpus(r, JobName("multi")) == [g(0), g(0, "b")]
+    assert module.dispatched_gpus(r, JobName("multi")) == module.job_gpus(r, jobs.load(r, JobName("multi")))[:2]
     # An outcome on one node takes a recalled prompt out of the other node's set (elsewhere.lua).
     prompt = queued(r, g(0, "b"))[0][1]
     row = {"id": prompt, "metadata": {"prompt_tokens": 1, "completion_tokens": 2,
                                        "finish_reason": "stop", "gpu": g(0)}}
-    assert Ledger(r).complete("multi", prompt, g(0), row)
+    assert Ledger(r).complete(JobName("multi"), prompt, g(0), row)
     assert r.zscore(f"dflash:{{multi}}:inflight:{g(0, 'b')}", prompt) is None
-    jobs.save(r, "multi", jobs.GenerationParams(), selection=jobs.GpuSelection.parse(None, "b"),
+    jobs.save(r, JobName("multi"), jobs.GenerationParams(), selection=jobs.GpuSelection.parse(None, "b"),
               dataset="-", status="running")
     r.delete(f"dflash:{{multi}}:inflight:{g(0)}", f"dflash:{{multi}}:inflight:{g(0, 'b')}")
     assert dispatch.topup("multi", g(0)) == 0             # node a is no longer selected
     assert dispatch.topup("multi", g(1, "b")) == 3
 
 
-GPU_NAMES = [f"gpu{i}@{n}" for i in range(3) for n in ("a", "b", "node-c")]
+GPU_NAMES = [GpuName.on(n, i) for i in range(3) for n in ("a", "b", "node-c")]
 
 
 @pytest.mark.parametrize("nodes", ["", "a", "b,node-c"])
@@ -172,13 +175,13 @@ def test_take_lua_and_the_python_selection_agree(redis_url, gpus, nodes):
     selection = jobs.GpuSelection.parse(gpus, nodes)
     book = Ledger(r)
     for gpu in GPU_NAMES:
-        jobs.delete(r, "sel")
+        jobs.delete(r, JobName("sel"))
         for name in GPU_NAMES:
             r.delete(name)
-        jobs.save(r, "sel", jobs.GenerationParams(), selection=selection, dataset="-",
+        jobs.save(r, JobName("sel"), jobs.GenerationParams(), selection=selection, dataset="-",
                   status="running")
-        book.add_prompts("sel", [("p", encode_messages([{"role": "user", "content": "q"}]))])
-        took = window.take(r, Settings(), "sel", gpu, 1, task="dflash_tasks.generate",
+        book.add_prompts(JobName("sel"), [("p", encode_messages([{"role": "user", "content": "q"}]))])
+        took = window.take(r, Settings(), JobName("sel"), gpu, 1, task="dflash_tasks.generate",
                            origin="t", reply_to="")
         assert bool(took) == selection.allows(gpu), (selection, gpu)
 
@@ -189,16 +192,16 @@ def test_the_last_prompts_go_to_gpus_measurably_faster_while_they_are_alive(redi
     slowness costs (window x (speed ratio - 1) each), the slower GPU takes none of them, unless
     those GPUs are gone (stale heartbeat) or their breaker is open; and once none is left, a
     faster GPU takes from a slower one's queue."""
-    from dflash_tasks.core.keys import BREAKERS, WORKERS_SEEN, JobKeys
+    from dflash_tasks.core.keys import BREAKERS, WORKERS_SEEN, JobName
     from dflash_tasks.ledger import Ledger
 
-    r, book, k = redis.Redis.from_url(redis_url), Ledger(redis.Redis.from_url(redis_url)), JobKeys("end")
+    r, book, k = redis.Redis.from_url(redis_url), Ledger(redis.Redis.from_url(redis_url)), JobName("end")
     setup_job(r, "end", 40, gpus=3, concurrency=4)  # windows of 6
     for gpu in range(3):
         assert dispatch.topup("end", g(gpu)) == 6
     for gpu, latency in ((0, 1.0), (1, 1.0), (2, 2.0)):     # gpu2 decodes at half the speed
         prompt = queued(r, g(gpu))[0][1]
-        assert book.complete("end", prompt, g(gpu), {"id": prompt, "metadata": {
+        assert book.complete(JobName("end"), prompt, g(gpu), {"id": prompt, "metadata": {
             "prompt_tokens": 10, "completion_tokens": 1000, "finish_reason": "stop",
             "latency_s": latency}})
     assert {gpu.decode(): float(v) for gpu, v in r.hgetall(k.speed).items()} == \
@@ -232,7 +235,7 @@ def test_the_last_prompts_go_to_gpus_measurably_faster_while_they_are_alive(redi
     assert dispatch.topup("end", g(1)) == 0     # gpu0's queue is not gpu1's to empty
     # A faster GPU's request speed moves as a moving average, not to each request's.
     prompt = queued(r, g(0))[1][1]                           # [0] is done already
-    assert book.complete("end", prompt, g(0), {"id": prompt, "metadata": {
+    assert book.complete(JobName("end"), prompt, g(0), {"id": prompt, "metadata": {
         "prompt_tokens": 10, "completion_tokens": 1000, "finish_reason": "stop", "latency_s": 0.5}})
     assert float(r.hget(k.speed, g(0))) == pytest.approx(1050.0)
 
@@ -246,7 +249,7 @@ def test_a_small_job_is_spread_over_the_gpus_by_their_capacity(redis_url):
 
     from dflash_tasks import dispatch as module
     from dflash_tasks.core import jobs
-    from dflash_tasks.core.keys import WORKERS_SEEN, JobKeys
+    from dflash_tasks.core.keys import WORKERS_SEEN, JobName
     from dflash_tasks.core.settings import Settings
     from dflash_tasks.ledger import Ledger
     from dflash_tasks.tasks.app import app
@@ -257,8 +260,8 @@ def test_a_small_job_is_spread_over_the_gpus_by_their_capacity(redis_url):
         setup_job(r, name, n, gpus=3, concurrency=20)
         r.hset("dflash:workers", g(2), json.dumps({"concurrency": 40}))
         r.hset(WORKERS_SEEN, mapping={g(i): time.time() for i in range(3)})
-        sent = module.topup_all(app, book, s, jobs.load(r, name))
-        taken = [r.zcard(JobKeys(name).inflight(g(i))) for i in range(3)]
+        sent = module.topup_all(app, book, s, jobs.load(r, JobName(name)))
+        taken = [r.zcard(JobName(name).inflight(g(i))) for i in range(3)]
         if name == "small":
             assert sent == 50 and sorted(taken) == [12, 13, 25], taken
         else:

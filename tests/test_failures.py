@@ -24,6 +24,8 @@ from failure_support import (
 )
 from support import ROOT, wait_until
 
+from dflash_tasks.core.keys import JobName
+
 FAST = ("--slots", "40", "--decode-tps", "8000")
 
 
@@ -119,10 +121,10 @@ def test_breaker_trips_at_once_for_the_deployment_and_stops_on_one_repeated_fail
     for reason in ("invalid_request", "invalid_request", "empty_response", "invalid_request"):
         b.record_permanent(reason, "HTTP 400: Bad Request")
     b.record_success()
-    b.record_permanent("invalid_request", "HTTP 400: Bad Request")
-    b.record_permanent("invalid_request", "HTTP 400: Bad Request")
+    b.record_permanent(JobName("invalid_request"), "HTTP 400: Bad Request")
+    b.record_permanent(JobName("invalid_request"), "HTTP 400: Bad Request")
     assert b.closed
-    b.record_permanent("invalid_request", "HTTP 400: Bad Request")
+    b.record_permanent(JobName("invalid_request"), "HTTP 400: Bad Request")
     assert not b.closed and b.snapshot()["kind"] == REPEATED_FAILURE
     assert "the last 3 requests all failed with invalid_request" in b.last_error
     time.sleep(0.2)
@@ -157,13 +159,13 @@ def test_breaker_opens_on_consecutive_failures_and_closes_after_healthy_probes()
     shutdown = Shutdown()
     b = CircuitBreaker("test", probe, threshold=3, close_after=2, probe_base_s=0.01, probe_cap_s=0.05,
                        shutdown=shutdown)
-    b.record_failure("reset")
-    b.record_failure("reset")
+    b.record_failure(JobName("reset"))
+    b.record_failure(JobName("reset"))
     b.record_success()                   # not consecutive: stays closed
-    b.record_failure("reset")
-    b.record_failure("reset")
+    b.record_failure(JobName("reset"))
+    b.record_failure(JobName("reset"))
     assert b.closed and b.wait_closed(0)
-    b.record_failure("refused")
+    b.record_failure(JobName("refused"))
     assert not b.closed
     assert not b.wait_closed(0.2)        # open: a task waits, then is told not to send
     wait_until(lambda: health["probes"] >= 3, timeout=5, what="probes while unhealthy")
@@ -173,14 +175,14 @@ def test_breaker_opens_on_consecutive_failures_and_closes_after_healthy_probes()
 
     # Open again right after closing: it stays open longer (a flapping server).
     for _ in range(3):
-        b.record_failure("503")
+        b.record_failure(JobName("503"))
     assert not b.closed and b._min_open_s > 0
     assert b.wait_closed(5)
 
     # A shutdown wakes every waiter at once.
     health["ok"] = False
     for _ in range(3):
-        b.record_failure("503")
+        b.record_failure(JobName("503"))
     waited = []
     t = threading.Thread(target=lambda: waited.append(b.wait_closed(60)))
     t.start()
@@ -305,9 +307,9 @@ def test_permanent_failures_are_registered_at_once_and_retry_failed_is_idempoten
     too_long = [{"id": "huge", "prompt": " ".join(f"w{j}" for j in range(9000))}]
     # Malformed prompts the dataset reader would refuse, stored as an older tool might have.
     malformed = {"empty": "[]", "shapeless": json.dumps(["just a string"])}
-    jobs.save(c.r, "perm", jobs.GenerationParams(max_tokens=4096), selection=jobs.GpuSelection(),
+    jobs.save(c.r, JobName("perm"), jobs.GenerationParams(max_tokens=4096), selection=jobs.GpuSelection(),
               dataset="older tool")
-    Ledger(c.r).add_prompts("perm", list(malformed.items()))
+    Ledger(c.r).add_prompts(JobName("perm"), list(malformed.items()))
     c.manage("enqueue", "--dataset", str(dataset(tmp_path, good + long_ok_later + too_long)),
              "--job", "perm", "--max-output-tokens", "4096")
     c.wait_done("perm", timeout=180)

@@ -43,7 +43,7 @@ def test_tables_read_at_80_columns_and_piped(redis_url, tmp_path):
     name are there whole, and what does not fit is named."""
     from rich.cells import cell_len
 
-    from dflash_tasks.core.keys import JobKeys
+    from dflash_tasks.core.keys import JobName
     from dflash_tasks.ledger import Ledger
 
     env = {**os.environ, "DFLASH_REDIS_URL": redis_url, "DFLASH_OUTPUT_DIR": str(tmp_path / "out"),
@@ -55,10 +55,10 @@ def test_tables_read_at_80_columns_and_piped(redis_url, tmp_path):
     r = redis.Redis.from_url(redis_url)
     error = ("The input (9,001 tokens) is longer than the model's context length (8,192 tokens). "
              * 5 + "THE-END-OF-THE-ERROR")
-    ids = [i.decode() for i in r.lrange(JobKeys(job).pending, 0, 2)]  # no worker takes them
+    ids = [i.decode() for i in r.lrange(JobName(job).pending, 0, 2)]  # no worker takes them
     assert len(ids) == 3, ids
     for n, pid in enumerate(ids):
-        assert Ledger(r).fail(job, pid, "gpu0@a", {
+        assert Ledger(r).fail(JobName(job), pid, "gpu0@a", {
             "id": pid, "reason": "invalid_request", "class": "permanent",
             "error": error if n < 2 else "short", "status": 400, "attempts": 1, "gpu": "gpu0@a",
             "at": 1.7e9 + n})

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import redis
 
+from dflash_tasks.core.keys import GpuName
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.worker import hooks
 from dflash_tasks.worker.runtime import POOL_MARGIN, WorkerRuntime
@@ -54,7 +55,7 @@ def test_the_pool_is_sized_from_the_workers_concurrency(monkeypatch):
     hooks._size_http_pools(sender="gpu0@a", instance=SimpleNamespace(concurrency=THREADS))
     assert rt.pool_size() == THREADS + POOL_MARGIN
     try:
-        client = rt.client("gpu0@a")
+        client = rt.client(GpuName("gpu0@a"))
         # Every thread in a request at once: only a pool of at least THREADS lets them all
         # reach the server, which answers none before the last arrives.
         with ThreadPoolExecutor(THREADS) as pool:

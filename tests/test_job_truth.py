@@ -19,7 +19,7 @@ from failure_support import prompts
 from support import ROOT, python, wait_until
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.dispatch import window
 from dflash_tasks.ledger import Ledger
 from dflash_tasks.ledger.messages import encode_messages
@@ -36,11 +36,12 @@ def _row(i: int) -> dict:
 
 def _job(r, name: str, n: int) -> Ledger:
     """A running job of n prompts, each dispatched to GPU (take.lua's in-flight set)."""
+    name = JobName(name)
     book = Ledger(r)
     jobs.save(r, name, jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="x")
     book.add_prompts(name, [(f"p{i}", encode_messages([{"role": "user", "content": f"q{i}"}]))
                             for i in range(n)])
-    k = JobKeys(name)
+    k = JobName(name)
     ids = [i.decode() for i in r.lpop(k.pending, n)]
     r.zadd(k.inflight(GPU), {i: time.time() for i in ids})
     r.sadd(k.gpus, GPU)
@@ -48,16 +49,17 @@ def _job(r, name: str, n: int) -> Ledger:
 
 
 def _status(r, name: str) -> str:
-    return r.hget(JobKeys(name).config, "status").decode()
+    return r.hget(JobName(name).config, "status").decode()
 
 
 def _outcomes(book: Ledger, name: str, completed: list[int], failed: list[int]) -> None:
+    name = JobName(name)
     for i in completed:
         assert book.complete(name, f"p{i}", GPU, _row(i))
     for i in failed:
         assert book.fail(name, f"p{i}", GPU, {"id": f"p{i}", "reason": "invalid_request",
                                              "class": "permanent"})
-    book.r.xtrim(JobKeys(name).output, maxlen=0)  # sealed and shipped, as far as finish.lua is concerned
+    book.r.xtrim(JobName(name).output, maxlen=0)  # sealed and shipped, as far as finish.lua is concerned
 
 
 def test_done_is_refused_while_a_retried_prompt_waits(redis_url):
@@ -66,15 +68,15 @@ def test_done_is_refused_while_a_retried_prompt_waits(redis_url):
     r = redis_lib.Redis.from_url(redis_url)
     book = _job(r, "race1", 3)
     _outcomes(book, "race1", completed=[0, 1], failed=[2])
-    records = list(book.failed_records("race1"))
-    assert book.requeue_failed("race1", records) == (1, 0)          # lands in the window
-    assert book.finish("race1") == "completed 2 + failed 0 of 3"
+    records = list(book.failed_records(JobName("race1")))
+    assert book.requeue_failed(JobName("race1"), records) == (1, 0)          # lands in the window
+    assert book.finish(JobName("race1")) == "completed 2 + failed 0 of 3"
     assert _status(r, "race1") == "running"
     # And once it is done for real, work put back moves it back to running in the same step.
-    r.lpop(JobKeys("race1").pending)
-    assert book.complete("race1", "p2", GPU, _row(2))
-    r.xtrim(JobKeys("race1").output, maxlen=0)
-    assert book.finish("race1") == "done" and _status(r, "race1") == "done"
+    r.lpop(JobName("race1").pending)
+    assert book.complete(JobName("race1"), "p2", GPU, _row(2))
+    r.xtrim(JobName("race1").output, maxlen=0)
+    assert book.finish(JobName("race1")) == "done" and _status(r, "race1") == "done"
 
 
 @pytest.mark.parametrize("left", ["in flight", "unsealed", "sealing", "spooled", "short"])
@@ -82,7 +84,7 @@ def test_done_needs_every_place_empty(redis_url, left):
     r = redis_lib.Redis.from_url(redis_url)
     book = _job(r, "places", 2)
     _outcomes(book, "places", completed=[0], failed=[] if left == "short" else [1])
-    k = JobKeys("places")
+    k = JobName("places")
     if left == "in flight":  # a retry waiting for its ETA keeps its in-flight entry
         r.zadd(k.inflight("gpu1@a"), {"p9": 1})
         r.sadd(k.gpus, "gpu1@a")
@@ -92,7 +94,7 @@ def test_done_needs_every_place_empty(redis_url, left):
         r.set(k.sealing, "{}")
     elif left == "spooled":
         r.hset(k.counters, "spooled", 1)
-    assert book.finish("places") != "done"
+    assert book.finish(JobName("places")) != "done"
     assert _status(r, "places") == "running"
 
 
@@ -102,12 +104,12 @@ def test_a_late_row_after_done_runs_the_job_again(redis_url):
     r = redis_lib.Redis.from_url(redis_url)
     book = _job(r, "late", 2)
     _outcomes(book, "late", completed=[0], failed=[1])
-    assert book.finish("late") == "done"
-    assert book.complete("late", "p1", GPU, _row(1))                 # the late delivery
+    assert book.finish(JobName("late")) == "done"
+    assert book.complete(JobName("late"), "p1", GPU, _row(1))                 # the late delivery
     assert _status(r, "late") == "running"
-    c = book.counters("late")
+    c = book.counters(JobName("late"))
     assert (c["completed"], c["failed"]) == (2, 0)
-    assert r.xlen(JobKeys("late").output) == 1
+    assert r.xlen(JobName("late").output) == 1
 
 
 def test_regenerate_and_enqueue_run_a_done_job_again_in_the_same_step(redis_url):
@@ -116,14 +118,14 @@ def test_regenerate_and_enqueue_run_a_done_job_again_in_the_same_step(redis_url)
     r = redis_lib.Redis.from_url(redis_url)
     book = _job(r, "again", 1)
     row = {**_row(0), "metadata": {**_row(0)["metadata"], "finish_reason": "length"}}
-    assert book.complete("again", "p0", GPU, row)
-    r.xtrim(JobKeys("again").output, maxlen=0)
-    assert book.finish("again") == "done"
-    [ended] = book.ended_rows("again", "length")
-    assert book.reopen("again", ended, ended.prompt, 0)
+    assert book.complete(JobName("again"), "p0", GPU, row)
+    r.xtrim(JobName("again").output, maxlen=0)
+    assert book.finish(JobName("again")) == "done"
+    [ended] = book.ended_rows(JobName("again"), "length")
+    assert book.reopen(JobName("again"), ended, ended.prompt, 0)
     assert _status(r, "again") == "running"
-    r.hset(JobKeys("again").config, "status", "done")
-    assert book.add_prompts("again", [("new", encode_messages([{"role": "user", "content": "x"}]))])
+    r.hset(JobName("again").config, "status", "done")
+    assert book.add_prompts(JobName("again"), [("new", encode_messages([{"role": "user", "content": "x"}]))])
     assert _status(r, "again") == "running"
     assert isinstance(ended, EndedRow)
 
@@ -135,32 +137,32 @@ def test_an_outcome_already_there_never_drops_a_fresh_dispatch(redis_url):
     r = redis_lib.Redis.from_url(redis_url)
     book = _job(r, "fallout", 1)
     _outcomes(book, "fallout", completed=[], failed=[0])
-    k = JobKeys("fallout")
-    state = book.task_state("fallout", "p0", GPU)                     # the stale message's read
+    k = JobName("fallout")
+    state = book.task_state(JobName("fallout"), "p0", GPU)                     # the stale message's read
     assert state.failed
-    assert book.requeue_failed("fallout", list(book.failed_records("fallout"))) == (1, 0)
+    assert book.requeue_failed(JobName("fallout"), list(book.failed_records(JobName("fallout")))) == (1, 0)
     r.lpop(k.pending)
     r.zadd(k.inflight(GPU), {"p0": time.time()})                      # dispatched here again
-    assert not window.drop_settled(r, "fallout", GPU, "p0")
+    assert not window.drop_settled(r, JobName("fallout"), GPU, "p0")
     assert r.zscore(k.inflight(GPU), "p0") is not None
     # A prompt that does have its outcome leaves.
     r.zadd(k.inflight(GPU), {"px": 1})
     r.sadd(k.done, "px")
-    assert window.drop_settled(r, "fallout", GPU, "px")
+    assert window.drop_settled(r, JobName("fallout"), GPU, "px")
 
 
 def test_update_job_is_a_compare_and_set(redis_url):
     r = redis_lib.Redis.from_url(redis_url)
     _job(r, "cas", 1)
     book = Ledger(r)
-    job = jobs.load(r, "cas")
-    assert book.transition("cas", "running", "paused")
-    wrong = book.update_job("cas", job.as_read("status", "params"), {"params": "{}"})
+    job = jobs.load(r, JobName("cas"))
+    assert book.transition(JobName("cas"), "running", "paused")
+    wrong = book.update_job(JobName("cas"), job.as_read("status", "params"), {"params": "{}"})
     assert wrong == {"status": "paused"}
-    assert jobs.load(r, "cas").params == job.params
-    assert not book.transition("cas", "running", "cancelled")
-    assert book.update_job("gone", {"status": ["running"]}, {"params": "{}"}) == {"status": ""}
-    assert not r.exists(JobKeys("gone").config)
+    assert jobs.load(r, JobName("cas")).params == job.params
+    assert not book.transition(JobName("cas"), "running", "cancelled")
+    assert book.update_job(JobName("gone"), {"status": ["running"]}, {"params": "{}"}) == {"status": ""}
+    assert not r.exists(JobName("gone").config)
 
 
 # -- real processes, held at a point -----------------------------------------------------------
@@ -196,9 +198,9 @@ def test_enqueue_never_undoes_a_cancel_or_a_set_made_while_it_loaded(tmp_path, c
     assert enqueue.returncode == 1, out + err
     assert "changed while this ran" in err and "status from running to cancelled" in err, err
     assert "3 new prompts are stored" in err and "Traceback" not in err, err
-    job = jobs.load(c.r, "undo")
+    job = jobs.load(c.r, JobName("undo"))
     assert job.status == "cancelled" and job.params.max_tokens == 2048
-    assert int(c.r.hget(JobKeys("undo").counters, "total")) == 8
+    assert int(c.r.hget(JobName("undo").counters, "total")) == 8
 
 
 def test_set_loses_to_a_concurrent_set_and_says_so(tmp_path, cluster):
@@ -214,7 +216,7 @@ def test_set_loses_to_a_concurrent_set_and_says_so(tmp_path, cluster):
     gate.unlink()
     out, err = slow.communicate(timeout=60)
     assert slow.returncode == 1 and "nothing was changed" in err, out + err
-    params = json.loads(c.r.hget(JobKeys("sets").config, "params"))
+    params = json.loads(c.r.hget(JobName("sets").config, "params"))
     assert params["max_tokens"] == 512 and params["temperature"] == 0.3
 
 

@@ -174,11 +174,39 @@ def test_only_the_entry_points_reach_for_the_process_accessors():
                        + "\n".join(calls))
 
 
+# Where a job's or a GPU's name comes in, and so may be made into its value (and checked):
+NAMES_COME_IN = {
+    "dflash_tasks/cli/": "a command's options",
+    "dflash_tasks/tasks/": "a task's arguments",
+    "dflash_tasks/worker/hooks.py": "the queues a worker consumes",
+    "dflash_tasks/core/jobs.py": "the names of the jobs, as Redis has them",
+    "dflash_tasks/dispatch/__init__.py": "the GPU registry and a job's GPUs, as Redis has them",
+    "dflash_tasks/output/stats.py": "the GPUs of a job's counters and rows",
+    "dflash_tasks/training/queue/": "a training run's record in Redis",
+}
+MAKERS = {"JobName", "GpuName", "check_job_name"}
+
+
+def test_a_job_or_gpu_name_is_made_into_its_value_only_where_it_comes_in():
+    """Below those places a JobName or GpuName is passed as it is: no stage re-checks or
+    re-parses it (issue 31)."""
+    made = []
+    for path, tree in modules("dflash_tasks"):
+        if path == KEYS_OWNER or path.startswith(tuple(NAMES_COME_IN)):
+            continue
+        for node in ast.walk(tree):
+            func = getattr(node, "func", None)
+            name = getattr(func, "id", None) or getattr(getattr(func, "value", None), "id", None)
+            if isinstance(node, ast.Call) and name in MAKERS:
+                made.append(f"{path}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not made, "a name made into its value below where it comes in:\n" + "\n".join(made)
+
+
 # -- docs/ARCHITECTURE.md's key table --------------------------------------------------------------
 
 PLACEHOLDERS = {"job": "<job>", "run": "<run>", "gpu": "<gpu>", "part": "*", "reason": "<reason>"}
 # Validators, GPU names and Celery's queue names: not keys of the project's own.
-NOT_KEYS = {"check_job_name", "check_node_name", "gpu_name", "parse_gpu", "gpu_order", "queue_for"}
+NOT_KEYS = {"check_job_name", "check_node_name"}
 
 
 def _call(fn, drop_self: bool = False) -> str:
@@ -195,8 +223,8 @@ def keys_in_code() -> set[str]:
             value = _call(fn)
             if value.startswith("dflash:"):
                 found.add(value)
-    job = keys.JobKeys("job")  # its keys read dflash:{job}:…, as the table writes them
-    for name, attr in vars(keys.JobKeys).items():
+    job = keys.JobName("job")  # its keys read dflash:{job}:…, as the table writes them
+    for name, attr in vars(keys.JobName).items():
         if name.startswith("_") or name == "every_key":  # every_key: a SCAN pattern, not a key
             continue
         if isinstance(attr, property):

@@ -7,7 +7,7 @@ import json
 import redis
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.ingest.loader import PromptLoader
 from dflash_tasks.ingest.prompts import Prompt
 from dflash_tasks.ledger import Ledger
@@ -32,11 +32,11 @@ def test_messages_round_trip_compressed_and_plain():
 def test_loader_stores_in_order_once_and_resumes_without_resending(redis_url):
     r = redis.Redis.from_url(redis_url)
     book = Ledger(r)
-    k = JobKeys("load")
-    jobs.save(r, "load", jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d",
+    k = JobName("load")
+    jobs.save(r, JobName("load"), jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d",
               status="loading")
     first = prompts(2500)
-    loader = PromptLoader(r, book, "load", resume=False)
+    loader = PromptLoader(r, book, JobName("load"), resume=False)
     assert loader.add_all(iter(first), chunk=700) == 2500
     assert [i.decode() for i in r.lrange(k.pending, 0, -1)] == [p.id for p in first]
     assert decode_messages(r.hget(k.prompts, "p7")) == list(first[7].messages)
@@ -48,7 +48,7 @@ def test_loader_stores_in_order_once_and_resumes_without_resending(redis_url):
     r.sadd(k.done, *done)
     r.hdel(k.prompts, *done)
     r.ltrim(k.pending, 1000, -1)
-    again = PromptLoader(r, book, "load", resume=True)
+    again = PromptLoader(r, book, JobName("load"), resume=True)
     assert again.add_all(iter(first + prompts(500, start=2500)), chunk=700) == 500
     assert again.sent == 500
     assert r.llen(k.pending) == 2000
@@ -59,12 +59,12 @@ def test_loader_stores_in_order_once_and_resumes_without_resending(redis_url):
 def test_add_prompts_skips_done_duplicates_and_large_chunks(redis_url):
     r = redis.Redis.from_url(redis_url)
     book = Ledger(r)
-    k = JobKeys("big")
-    jobs.save(r, "big", jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d")
+    k = JobName("big")
+    jobs.save(r, JobName("big"), jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d")
     r.sadd(k.done, "p3")
     pairs = [(p.id, encode_messages(p.messages)) for p in prompts(9000)]
     pairs.append(("p5", b"[]"))  # a duplicate id within the call: the first one wins
-    assert book.add_prompts("big", pairs) == 8999
+    assert book.add_prompts(JobName("big"), pairs) == 8999
     assert r.llen(k.pending) == 8999 and not r.hexists(k.prompts, "p3")
     assert decode_messages(r.hget(k.prompts, "p5")) == list(prompts(1, start=5)[0].messages)
 
@@ -76,11 +76,11 @@ def test_add_prompts_refuses_a_job_deleted_while_it_loads(redis_url):
 
 
     r = redis.Redis.from_url(redis_url)
-    jobs.save(r, "gone", jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d",
+    jobs.save(r, JobName("gone"), jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d",
               status="loading")
-    loader = PromptLoader(r, Ledger(r), "gone", resume=False)
+    loader = PromptLoader(r, Ledger(r), JobName("gone"), resume=False)
     loader.add(prompts(10))
-    jobs.delete(r, "gone")
+    jobs.delete(r, JobName("gone"))
     loader.add(prompts(10, start=10))
     with pytest.raises(jobs.JobDeleted):
         loader.close()

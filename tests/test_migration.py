@@ -20,7 +20,7 @@ from failure_support import check_books, counters, prompts
 from support import wait_until
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import MIGRATIONS, JobKeys
+from dflash_tasks.core.keys import MIGRATIONS, JobName
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.dispatch import window as dispatch_window
 from dflash_tasks.ledger import Ledger
@@ -30,6 +30,7 @@ FAST, SLOW = "gpu0@a", "gpu1@a"
 
 
 def _job(r, name: str, n: int) -> Ledger:
+    name = JobName(name)
     book = Ledger(r)
     jobs.save(r, name, jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="x")
     book.add_prompts(name, [(f"p{i}", encode_messages([{"role": "user", "content": f"q{i}"}]))
@@ -38,13 +39,14 @@ def _job(r, name: str, n: int) -> Ledger:
 
 
 def _take(book: Ledger, job: str, gpu: str, window: int) -> list[str]:
+    job = JobName(job)
     return dispatch_window.take(book.r, Settings(), job, gpu, window, task="dflash_tasks.generate",
                                 origin="t", reply_to="")
 
 
 def test_an_idle_fast_gpu_orders_the_last_generation_of_a_slower_one_moved(redis_url):
     r = redis_lib.Redis.from_url(redis_url)
-    book, k = _job(r, "end", 6), JobKeys("end")
+    book, k = _job(r, "end", 6), JobName("end")
     assert len(_take(book, "end", SLOW, 6)) == 6          # everything runs on the slow GPU
     r.delete(SLOW)                                        # its worker took every message
     r.hset(k.speed, mapping={FAST: 100.0, SLOW: 50.0})
@@ -59,20 +61,20 @@ def test_an_idle_fast_gpu_orders_the_last_generation_of_a_slower_one_moved(redis
     _take(book, "end", FAST, 2)                           # a second free slot, a second order
     _take(book, "end", FAST, 2)                           # no third: two slots
     assert r.hlen(k.migrating) == 2
-    assert dispatch_window.migration_target(r, "end", ordered, SLOW) == FAST
-    assert dispatch_window.migration_target(r, "end", ordered, FAST) is None
+    assert dispatch_window.migration_target(r, JobName("end"), ordered, SLOW) == FAST
+    assert dispatch_window.migration_target(r, JobName("end"), ordered, FAST) is None
 
     # The hand-over moves the prompt and its entry once; a second (a duplicate) moves nothing.
-    assert dispatch_window.hand_over(r, "end", ordered, SLOW, FAST, b"entry", 123)
+    assert dispatch_window.hand_over(r, JobName("end"), ordered, SLOW, FAST, b"entry", 123)
     assert r.zscore(k.inflight(FAST), ordered) is not None
     assert r.zscore(k.inflight(SLOW), ordered) is None and r.hget(k.prompts, ordered) == b"entry"
-    assert not dispatch_window.hand_over(r, "end", ordered, SLOW, FAST, b"entry", 123)
+    assert not dispatch_window.hand_over(r, JobName("end"), ordered, SLOW, FAST, b"entry", 123)
     c = counters(type("C", (), {"r": r}), "end")
     assert (c["migrated"], c["migrated_tokens"]) == (1, 123)
     # An order whose prompt left the GPU (its row came, it was recalled) lapses at the next take.
     [other] = [i for i in (v.decode() for v in r.hkeys(k.migrating))]
-    dispatch_window.recall(r, "end", SLOW, [other])
-    assert not dispatch_window.hand_over(r, "end", other, SLOW, FAST, b"entry", 5)
+    dispatch_window.recall(r, JobName("end"), SLOW, [other])
+    assert not dispatch_window.hand_over(r, JobName("end"), other, SLOW, FAST, b"entry", 5)
     _take(book, "end", FAST, 4)
     assert other.encode() not in r.hkeys(k.migrating)
     # A GPU no faster than the others orders nothing.
@@ -172,7 +174,7 @@ def test_a_worker_killed_between_the_hand_over_and_its_message_loses_nothing(clu
     rows = prompts(8)
     # The GPUs' speeds as complete.lua learns them from finished requests, known from the start
     # here (the first slow request would otherwise end after the fast GPU did everything else).
-    c.r.hset(JobKeys("mid").speed, mapping={c.gpu(0): 800.0, c.gpu(1): 200.0})
+    c.r.hset(JobName("mid").speed, mapping={c.gpu(0): 800.0, c.gpu(1): 200.0})
     c.manage("enqueue", "--dataset", str(write_jsonl(tmp_path / "d.jsonl", rows)), "--job", "mid",
              "--max-output-tokens", "4096")
     wait_until(lambda: Path(f"{gate}.reached").exists(), timeout=200, what="a hand-over held")

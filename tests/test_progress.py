@@ -12,7 +12,7 @@ from support import wait_until
 from test_pipeline import dataset, start
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.output import sealing
 
 REQUIRED = ("total", "completed", "failed", "rate_per_sec", "eta_hours", "total_input_tokens",
@@ -64,7 +64,7 @@ def test_progress_json_matches_the_ledger_and_the_rows(cluster, tmp_path):
     meta = [r["metadata"] for r in rows]
     out_tokens = sum(m["completion_tokens"] for m in meta)
     reasons = Counter(m["finish_reason"] for m in meta)
-    ledger = {k.decode(): int(v) for k, v in c.r.hgetall(JobKeys("prog").counters).items()}
+    ledger = {k.decode(): int(v) for k, v in c.r.hgetall(JobName("prog").counters).items()}
     assert final["status"] == "done"
     assert final["total"] == final["completed"] == ledger["completed"] == 600
     assert final["failed"] == ledger.get("failed", 0) == 0
@@ -117,13 +117,14 @@ def _gpu(index: int) -> str:
 
 
 def _job(r, name: str, n: int, gpus: int = 2):
+    name = JobName(name)
     from dflash_tasks.ledger import Ledger
 
     book = Ledger(r)
     jobs.save(r, name, jobs.GenerationParams(), selection=jobs.GpuSelection.parse(str(gpus)),
               dataset="x", status="running")
     for gpu in range(gpus):  # as if each had dispatched: status shows the job's GPUs
-        r.sadd(JobKeys(name).gpus, _gpu(gpu))
+        r.sadd(JobName(name).gpus, _gpu(gpu))
     book.add_prompts(name, [(f"p{i}", "[]") for i in range(n)])
     return book
 
@@ -139,14 +140,14 @@ def test_rate_is_over_the_recent_window_not_since_the_start(r):
 
     book = _job(r, "win", 100)
     for i in range(30):
-        book.complete("win", f"p{i}", _gpu(i % 2), _row(i, _gpu(i % 2), 100 * (1 + i % 2), 1.0))
-    k = JobKeys("win")
+        book.complete(JobName("win"), f"p{i}", _gpu(i % 2), _row(i, _gpu(i % 2), 100 * (1 + i % 2), 1.0))
+    k = JobName("win")
     now = int(r.time()[0])
     old = now - 3600 - now % RATE_BUCKET_S
     # An hour ago, a burst of 10,000 completions: outside a 300 s window, so it must not count.
     r.hset(k.rate, mapping={f"c:{old}": 10_000, f"t:{old}": 10**7, f"{_gpu(0)}:c:{old}": 10_000})
     r.hset(k.counters, "first_completed_at", old)
-    snap = snapshot(r, "win", _settings(rate_window_s=300))
+    snap = snapshot(r, JobName("win"), _settings(rate_window_s=300))
     span = now - (now - 300 - (now - 300) % RATE_BUCKET_S) + r.time()[1] / 1e6
     assert snap["rate_per_sec"] == pytest.approx(30 / span, rel=0.05)
     assert snap["output_tokens_per_sec"] == pytest.approx(4500 / span, rel=0.05)
@@ -162,16 +163,16 @@ def test_old_rate_buckets_are_pruned(r):
     from dflash_tasks.output.progress import RATE_BUCKET_S, prune_rate
 
     book = _job(r, "prune", 10)
-    book.complete("prune", "p0", _gpu(0), _row(0, _gpu(0), 5, 1.0))
-    k = JobKeys("prune")
+    book.complete(JobName("prune"), "p0", _gpu(0), _row(0, _gpu(0), 5, 1.0))
+    k = JobName("prune")
     now = int(r.time()[0])
     old = now - 7200 - now % RATE_BUCKET_S
     r.hset(k.counters, "first_completed_at", old)
     r.hset(k.rate, mapping={f"c:{old}": 1, f"{_gpu(1)}:t:{old + 10}": 1, f"i:{old + 20}": 1})
-    assert prune_rate(r, "prune", [_gpu(0), _gpu(1)], keep_s=600) == 3
+    assert prune_rate(r, JobName("prune"), [_gpu(0), _gpu(1)], keep_s=600) == 3
     fields = {f.decode() for f in r.hkeys(k.rate)}
     assert not any(str(old) in f for f in fields) and any(f.startswith("c:") for f in fields)
-    assert prune_rate(r, "prune", [_gpu(0), _gpu(1)], keep_s=600) == 0  # nothing left to walk twice
+    assert prune_rate(r, JobName("prune"), [_gpu(0), _gpu(1)], keep_s=600) == 0  # nothing left to walk twice
 
 
 def test_reading_costs_the_same_at_any_size(r, monkeypatch):
@@ -198,11 +199,12 @@ def test_reading_costs_the_same_at_any_size(r, monkeypatch):
         return real_command(self, *args, **kw)
 
     def commands_for(name: str, n: int) -> list[str]:
+        name = JobName(name)
         book = _job(r, name, n)
         pipe = r.pipeline(transaction=False)
         for i in range(n // 2):
-            pipe.sadd(JobKeys(name).done, f"p{i}")
-        pipe.hincrby(JobKeys(name).counters, "completed", n // 2)
+            pipe.sadd(name.done, f"p{i}")
+        pipe.hincrby(name.counters, "completed", n // 2)
         pipe.execute()
         book.complete(name, "p0x", _gpu(0), _row(0, _gpu(0), 5, 1.0))
         sent.clear()
@@ -231,17 +233,17 @@ def test_latency_percentiles_and_s3_totals_are_counted_once_per_batch(r, tmp_pat
     book = _job(r, "lat", 200)
     latencies = [0.5 + i * 0.05 for i in range(200)]
     for i, lat in enumerate(latencies):
-        book.complete("lat", f"p{i}", _gpu(i % 2),
+        book.complete(JobName("lat"), f"p{i}", _gpu(i % 2),
                       _row(i, _gpu(i % 2), 50, lat, "length" if i % 4 == 0 else "stop"))
     writer = BatchWriter(r, Ledger(r), FakeRemote(tmp_path), BatchPolicy(rows=64, bytes=10**9, max_age_s=999))
-    names = writer.flush("lat", final=True)
+    names = writer.flush(JobName("lat"), final=True)
     assert len(names) == 4
-    writer.flush("lat", final=True)  # nothing more, nothing counted twice
+    writer.flush(JobName("lat"), final=True)  # nothing more, nothing counted twice
     # A batch recorded again (a retried step) adds nothing.
-    rec = json.loads(r.hget(JobKeys("lat").manifest, names[0]))
-    assert not sealing.record_batch(r, "lat", names[0], rec, stats={"latency_n": 999})
+    rec = json.loads(r.hget(JobName("lat").manifest, names[0]))
+    assert not sealing.record_batch(r, JobName("lat"), names[0], rec, stats={"latency_n": 999})
 
-    snap = snapshot(r, "lat", _settings())
+    snap = snapshot(r, JobName("lat"), _settings())
     ms = sorted(x * 1000 for x in latencies)
     assert snap["latency_rows"] == 200
     assert snap["mean_e2e_latency_ms"] == pytest.approx(statistics.mean(ms), abs=0.5)
@@ -249,7 +251,7 @@ def test_latency_percentiles_and_s3_totals_are_counted_once_per_batch(r, tmp_pat
     assert snap["p99_e2e_latency_ms"] == pytest.approx(ms[197], rel=0.07)
     assert snap["s3_uploaded"] == snap["batches"] == 4
     assert snap["s3_bytes"] == snap["batch_bytes"] == sum(
-        json.loads(v)["bytes"] for v in r.hvals(JobKeys("lat").manifest))
+        json.loads(v)["bytes"] for v in r.hvals(JobName("lat").manifest))
     assert snap["truncated_pct"] == 25.0
     assert snap["short_output_pct"] == 100.0  # every output under 64 tokens: the alarm is on
     from dflash_tasks.output.batches import read_manifest

@@ -15,7 +15,7 @@ from support import wait_until
 from test_pipeline import assert_exactly_once, dataset, start
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ingest.loader import PromptLoader
 from dflash_tasks.ingest.prompts import Prompt
@@ -35,13 +35,13 @@ def chunk_files(root, job: str) -> list[str]:
 
 def test_references_in_redis_bodies_in_chunks_and_a_resume_writes_only_new_ones(redis_url, tmp_path):
     r = redis.Redis.from_url(redis_url)
-    book, k = Ledger(r), JobKeys("refs")
-    jobs.save(r, "refs", jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d")
-    location = bodies.job_location(r, "refs", Settings(output_dir=tmp_path / "out"))
+    book, k = Ledger(r), JobName("refs")
+    jobs.save(r, JobName("refs"), jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="d")
+    location = bodies.job_location(r, JobName("refs"), Settings(output_dir=tmp_path / "out"))
     assert location == str((tmp_path / "out").resolve())
-    writer = bodies.ChunkWriter(r, "refs", location, LocalStorage(location))
+    writer = bodies.ChunkWriter(r, JobName("refs"), location, LocalStorage(location))
     first = prompts(2500)
-    assert PromptLoader(r, book, "refs", resume=False, store_bodies=writer).add_all(iter(first), chunk=1000) == 2500
+    assert PromptLoader(r, book, JobName("refs"), resume=False, store_bodies=writer).add_all(iter(first), chunk=1000) == 2500
     assert chunk_files(tmp_path / "out", "refs") == [f"chunk-00000{n}.zst" for n in (1, 2, 3)]
     for p in (first[0], first[999], first[1000], first[2499]):
         stored = r.hget(k.prompts, p.id)
@@ -50,7 +50,7 @@ def test_references_in_redis_bodies_in_chunks_and_a_resume_writes_only_new_ones(
         assert decode_messages(frame) == list(p.messages)
 
     # What a worker reads: no messages in Redis, the job's location beside the reference.
-    state = book.task_state("refs", "p7", "gpu0@n")
+    state = book.task_state(JobName("refs"), "p7", "gpu0@n")
     assert state.messages is None and state.stored
     assert state.body_reference == r.hget(k.prompts, "p7")
     assert state.body_location == location
@@ -61,9 +61,9 @@ def test_references_in_redis_bodies_in_chunks_and_a_resume_writes_only_new_ones(
     r.sadd(k.done, *done)
     r.hdel(k.prompts, *done)
     r.ltrim(k.pending, 2000, -1)
-    assert bodies.job_location(r, "refs", Settings(output_dir=tmp_path / "other")) == location
-    elsewhere = bodies.ChunkWriter(r, "refs", location, LocalStorage(location))
-    again = PromptLoader(r, book, "refs", resume=True, store_bodies=elsewhere)
+    assert bodies.job_location(r, JobName("refs"), Settings(output_dir=tmp_path / "other")) == location
+    elsewhere = bodies.ChunkWriter(r, JobName("refs"), location, LocalStorage(location))
+    again = PromptLoader(r, book, JobName("refs"), resume=True, store_bodies=elsewhere)
     assert again.add_all(iter(first + prompts(300, start=2500)), chunk=1000) == 300
     assert chunk_files(tmp_path / "out", "refs")[-1] == "chunk-000004.zst"
     new_refs = [bodies.Reference.parse(r.hget(k.prompts, f"p{i}")) for i in range(2500, 2800)]
@@ -97,7 +97,7 @@ def test_a_run_with_bodies_on_local_storage_regenerated_then_deleted(cluster, tm
     c = cluster()
     start(c)
     path, ids = dataset(tmp_path, 1500)
-    k = JobKeys("local")
+    k = JobName("local")
     c.manage("enqueue", "--dataset", str(path), "--job", "local", "--gpus", "2", "--bodies", "storage",
              "--max-output-tokens", "2048")
     # Redis holds references only; the bodies are two chunks under the output directory.

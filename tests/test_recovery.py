@@ -7,6 +7,7 @@ import pytest
 from conftest import Cluster, write_jsonl
 from support import Proc, free_port, wait_until
 
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.settings import Settings
 
 
@@ -127,10 +128,10 @@ def test_beat_does_not_mark_done_a_job_that_got_prompts_since_its_snapshot(tmp_p
     c.manage("enqueue", "--dataset", str(data), "--job", "cas")
     r = redis.Redis.from_url(redis_url)
     book = Ledger(r)
-    assert book.finish("cas") == "completed 0 + failed 0 of 10"
-    assert not book.transition("cas", "paused", "done")
-    assert book.transition("cas", "running", "paused")
-    assert book.finish("cas") == "not running"
+    assert book.finish(JobName("cas")) == "completed 0 + failed 0 of 10"
+    assert not book.transition(JobName("cas"), "paused", "done")
+    assert book.transition(JobName("cas"), "running", "paused")
+    assert book.finish(JobName("cas")) == "not running"
     assert r.hget("dflash:{cas}:config", "status") == b"paused"
 
 
@@ -151,7 +152,7 @@ def test_an_outcome_after_delete_writes_nothing(tmp_path, redis_url):
     book = Ledger(r)
     row = {"id": "q0000", "metadata": {"completion_tokens": 5, "prompt_tokens": 3,
                                        "finish_reason": "stop", "gpu": 0}}
-    assert not book.complete("gone2", "q0000", "gpu0@a", row)
-    assert not book.fail("gone2", "q0001", "gpu0@a", {"id": "q0001"})
-    assert not book.note_retry("gone2", "q0002", 0, "http_503", 0)
+    assert not book.complete(JobName("gone2"), "q0000", "gpu0@a", row)
+    assert not book.fail(JobName("gone2"), "q0001", "gpu0@a", {"id": "q0001"})
+    assert not book.note_retry(JobName("gone2"), "q0002", 0, "http_503", 0)
     assert list(r.scan_iter(match="dflash:\\{gone2\\}:*")) == []

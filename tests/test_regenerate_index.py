@@ -17,7 +17,7 @@ from support import free_port
 from test_spool import CutRemote
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.ledger import Ledger, bodies
 from dflash_tasks.ledger.messages import decode_messages, encode_messages
 from dflash_tasks.output.batches import BatchPolicy, BatchWriter, batch_key, rows_at
@@ -52,6 +52,7 @@ def _row(i: int, reason: str) -> dict:
 def _build(r, job: str, storage, spool: Spool | None = None) -> Ledger:
     """A job as a run leaves it: every prompt done, 50 rows sealed in 5 batches (to the storage,
     or to the spool while it is cut), 10 still waiting in the stream."""
+    job = JobName(job)
     book = Ledger(r)
     jobs.save(r, job, jobs.GenerationParams(max_tokens=CAP),
               selection=jobs.GpuSelection.parse("all"), dataset="x", status="running")
@@ -66,13 +67,13 @@ def _build(r, job: str, storage, spool: Spool | None = None) -> Ledger:
 
 
 def _counters(r, job: str) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in r.hgetall(JobKeys(job).counters).items()}
+    return {k.decode(): int(v) for k, v in r.hgetall(JobName(job).counters).items()}
 
 
 def _assert_taken_back(r, job: str, *, continued: bool) -> None:
     """Exactly the truncated prompts are back in pending, with their own prompt (and their own
     output to continue); their done marks, index records and counter shares are gone."""
-    k = JobKeys(job)
+    k = JobName(job)
     ids = {f"p{i:03d}" for i in TRUNCATED}
     assert {p.decode() for p in r.lrange(k.pending, 0, -1)} == ids
     assert not ids & {d.decode() for d in r.smembers(k.done)}
@@ -114,7 +115,7 @@ def test_plain_regenerate_reads_no_batch(tmp_path, redis_url):
 def test_continue_reads_only_the_batches_holding_the_rows(tmp_path, redis_url):
     c = Cluster(tmp_path, redis_url)
     _build(c.r, "cont", LocalStorage(c.output_dir))
-    names = sorted(json.loads(v)["name"] for v in c.r.hvals(JobKeys("cont").manifest))
+    names = sorted(json.loads(v)["name"] for v in c.r.hvals(JobName("cont").manifest))
     for i in (0, 2, 4):  # no truncated row there: reading one would fail
         (c.output_dir / batch_key("cont", names[i])).unlink()
     out = c.manage("regenerate", "--job", "cont", "--finish-reason", "length", "--continue").stdout
@@ -138,12 +139,12 @@ def test_each_batch_holding_rows_is_read_once(tmp_path, redis_url):
     storage = Counting(tmp_path / "out")
     book = _build(r, "once", storage)
     storage.reads.clear()
-    truncated = list(book.ended_rows("once", "length", prompts=False))
+    truncated = list(book.ended_rows(JobName("once"), "length", prompts=False))
     assert sorted(e.id for e in truncated) == sorted(f"p{i:03d}" for i in TRUNCATED)
     assert storage.reads == []  # finding them read nothing
-    found = dict(rows_at(r, storage, "once", [(e.entry, e.id) for e in truncated]))
+    found = dict(rows_at(r, storage, JobName("once"), [(e.entry, e.id) for e in truncated]))
     assert found == {f"p{i:03d}": _row(i, "length") for i in TRUNCATED}
-    names = sorted(json.loads(v)["name"] for v in r.hvals(JobKeys("once").manifest))
+    names = sorted(json.loads(v)["name"] for v in r.hvals(JobName("once").manifest))
     assert storage.reads == [batch_key("once", names[1]), batch_key("once", names[3])]
 
 
@@ -168,7 +169,7 @@ def test_regenerate_during_an_s3_outage_reads_the_spool(tmp_path, redis_url):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "prompts/chunk-000001.zst" in result.stderr and "once the storage answers" in result.stderr
     assert "0 prompts were queued again" in result.stderr
-    assert c.r.hlen(JobKeys("outage-cont").ended("length")) == len(TRUNCATED)  # nothing taken back
+    assert c.r.hlen(JobName("outage-cont").ended("length")) == len(TRUNCATED)  # nothing taken back
 
 
 def test_a_spooled_batch_this_machine_does_not_hold_is_named(tmp_path, redis_url):
@@ -183,55 +184,55 @@ def test_a_spooled_batch_this_machine_does_not_hold_is_named(tmp_path, redis_url
     assert "waits in beat's spool" in result.stderr
     assert "run the same command again" in result.stderr
     assert "0 prompts were queued again" in result.stderr
-    assert c.r.hlen(JobKeys("far").ended("length")) == len(TRUNCATED)  # nothing taken back
+    assert c.r.hlen(JobName("far").ended("length")) == len(TRUNCATED)  # nothing taken back
 
 
 def test_the_index_follows_every_change_of_a_rows_status(redis_url, tmp_path):
     r = redis_lib.Redis.from_url(redis_url)
     book = _build(r, "moves", LocalStorage(tmp_path / "out"))
-    k = JobKeys("moves")
+    k = JobName("moves")
 
     def indexed() -> set[str]:
         return {i.decode() for i in r.hkeys(k.ended("length"))}
 
     assert indexed() == {f"p{i:03d}" for i in TRUNCATED} and not r.exists(k.ended("stop"))
     # A duplicate delivery of a done prompt changes nothing.
-    assert not book.complete("moves", "p012", GPU, _row(12, "stop"))
+    assert not book.complete(JobName("moves"), "p012", GPU, _row(12, "stop"))
     assert "p012" in indexed()
     # Regenerated: out of the index; done again, under the reason its new row ended with.
-    e12, e15, e31 = (next(e for e in book.ended_rows("moves", "length") if e.id == p)
+    e12, e15, e31 = (next(e for e in book.ended_rows(JobName("moves"), "length") if e.id == p)
                      for p in ("p012", "p015", "p031"))
     for e in (e12, e15, e31):
-        assert book.reopen("moves", e, e.prompt, 0)
+        assert book.reopen(JobName("moves"), e, e.prompt, 0)
     assert indexed() == {"p052", "p055"}
-    assert book.complete("moves", "p012", GPU, _row(12, "stop"))
-    assert book.complete("moves", "p015", GPU, _row(15, "length"))
-    new15 = next(e for e in book.ended_rows("moves", "length") if e.id == "p015")
+    assert book.complete(JobName("moves"), "p012", GPU, _row(12, "stop"))
+    assert book.complete(JobName("moves"), "p015", GPU, _row(15, "length"))
+    new15 = next(e for e in book.ended_rows(JobName("moves"), "length") if e.id == "p015")
     assert new15.entry != e15.entry and indexed() == {"p015", "p052", "p055"}
     # The record regenerate read is stale now (p015 was done again since): not taken back.
-    assert not book.reopen("moves", e15, e15.prompt, 0) and "p015" in indexed()
+    assert not book.reopen(JobName("moves"), e15, e15.prompt, 0) and "p015" in indexed()
     # A reopened prompt that fails is in no index; retried, it is indexed when it finishes.
-    assert book.fail("moves", "p031", GPU, {"reason": "http_400"})
+    assert book.fail(JobName("moves"), "p031", GPU, {"reason": "http_400"})
     assert "p031" not in indexed()
-    assert book.requeue_failed("moves", list(book.failed_records("moves"))) == (1, 0)
-    assert book.complete("moves", "p031", GPU, _row(31, "length"))
+    assert book.requeue_failed(JobName("moves"), list(book.failed_records(JobName("moves")))) == (1, 0)
+    assert book.complete(JobName("moves"), "p031", GPU, _row(31, "length"))
     assert indexed() == {"p015", "p031", "p052", "p055"}
     c = _counters(r, "moves")
     assert c["finish:length"] == r.hlen(k.ended("length")) == 4
-    assert book.ended_count("moves", "length") == (4, 4)
+    assert book.ended_count(JobName("moves"), "length") == (4, 4)
     # Delete takes the index with every other key of the job.
-    jobs.delete(r, "moves")
+    jobs.delete(r, JobName("moves"))
     assert not list(r.scan_iter(match=k.every_key))
 
 
 def test_rows_finished_after_the_index_is_read_are_not_taken(redis_url, tmp_path):
     r = redis_lib.Redis.from_url(redis_url)
     book = _build(r, "late", LocalStorage(tmp_path / "out"))
-    taken = book.ended_rows("late", "length")
+    taken = book.ended_rows(JobName("late"), "length")
     first = next(taken)  # the stream's last entry is read here
-    assert book.reopen("late", first, first.prompt, 0)
+    assert book.reopen(JobName("late"), first, first.prompt, 0)
     i = int(first.id[1:])
-    assert book.complete("late", first.id, GPU, _row(i, "length"))  # done again, indexed again
+    assert book.complete(JobName("late"), first.id, GPU, _row(i, "length"))  # done again, indexed again
     rest = list(taken)
     assert first.id not in {e.id for e in rest} and len(rest) == len(TRUNCATED) - 1
 
@@ -239,11 +240,11 @@ def test_rows_finished_after_the_index_is_read_are_not_taken(redis_url, tmp_path
 def test_a_job_without_the_index_is_regenerated_by_reading_every_batch(tmp_path, redis_url):
     c = Cluster(tmp_path, redis_url)
     _build(c.r, "old", LocalStorage(c.output_dir))
-    c.r.delete(JobKeys("old").ended("length"))  # as a version before the index left it
+    c.r.delete(JobName("old").ended("length"))  # as a version before the index left it
     out = c.manage("regenerate", "--job", "old", "--finish-reason", "length").stdout
     assert "holds 0 of the 5 rows that ended 'length'" in out and "reading every batch" in out
     assert f"{len(TRUNCATED)} prompts with finish_reason 'length' queued again" in out
-    k = JobKeys("old")
+    k = JobName("old")
     pending = {p.decode() for p in c.r.lrange(k.pending, 0, -1)}
     assert pending == {f"p{i:03d}" for i in TRUNCATED}
     assert _counters(c.r, "old")["finish:length"] == 0
@@ -258,21 +259,21 @@ def test_the_index_keeps_the_entry_the_task_read_and_encodes_a_continued_one(red
     continuation is not the prompt alone, and the row's messages are encoded instead."""
     r = redis_lib.Redis.from_url(redis_url)
     book = Ledger(r)
-    jobs.save(r, "kept", jobs.GenerationParams(max_tokens=CAP),
+    jobs.save(r, JobName("kept"), jobs.GenerationParams(max_tokens=CAP),
               selection=jobs.GpuSelection.parse("all"), dataset="x", status="running")
-    k = JobKeys("kept")
-    book.add_prompts("kept", [("p012", encode_messages(_messages(12)))])
+    k = JobName("kept")
+    book.add_prompts(JobName("kept"), [("p012", encode_messages(_messages(12)))])
     stored = r.hget(k.prompts, "p012")
-    state = book.task_state("kept", "p012", GPU)
+    state = book.task_state(JobName("kept"), "p012", GPU)
     assert state.bare_entry == stored and state.continuation is None
-    assert book.complete("kept", "p012", GPU, _row(12, "length"), bare_entry=state.bare_entry)
-    ended = next(book.ended_rows("kept", "length"))
+    assert book.complete(JobName("kept"), "p012", GPU, _row(12, "length"), bare_entry=state.bare_entry)
+    ended = next(book.ended_rows(JobName("kept"), "length"))
     assert ended.prompt == stored
 
     continued = {"messages": _messages(12), "continue": {"prompt_ids": [1, 2, 12],
                                                          "response_ids": list(range(12, 12 + CUT_AT))}}
-    assert book.reopen("kept", ended, json.dumps(continued), CUT_AT)
-    state = book.task_state("kept", "p012", GPU)
+    assert book.reopen(JobName("kept"), ended, json.dumps(continued), CUT_AT)
+    state = book.task_state(JobName("kept"), "p012", GPU)
     assert state.bare_entry is None and state.continuation is not None
-    assert book.complete("kept", "p012", GPU, _row(12, "length"), bare_entry=state.bare_entry)
-    assert decode_messages(next(book.ended_rows("kept", "length")).prompt) == _messages(12)
+    assert book.complete(JobName("kept"), "p012", GPU, _row(12, "length"), bare_entry=state.bare_entry)
+    assert decode_messages(next(book.ended_rows(JobName("kept"), "length")).prompt) == _messages(12)

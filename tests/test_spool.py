@@ -20,7 +20,7 @@ from support import wait_until
 from test_pipeline import SIM_ARGS, dataset
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import MEMORY_HOLD, JobKeys
+from dflash_tasks.core.keys import MEMORY_HOLD, JobName
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.dispatch import window
 from dflash_tasks.ledger import Ledger
@@ -29,7 +29,7 @@ from dflash_tasks.output.batches import SPOOLED, BatchPolicy, BatchWriter, read_
 from dflash_tasks.output.spool import Spool
 from dflash_tasks.output.storage import LocalStorage, StorageError
 
-JOB = "spool"
+JOB = JobName("spool")
 GPU = "gpu0@a"
 
 
@@ -83,7 +83,7 @@ def _shipped(r, writer) -> tuple[dict, list[str]]:
 
 
 def _counters(r) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in r.hgetall(JobKeys(JOB).counters).items()}
+    return {k.decode(): int(v) for k, v in r.hgetall(JobName(JOB).counters).items()}
 
 
 def _crash_after(monkeypatch, cls, method: str, when=lambda *a, **k: True) -> None:
@@ -105,7 +105,7 @@ def test_an_outage_spools_every_batch_and_ships_them_in_order_once_s3_answers(r,
     book = _job(r, 500)
     writer = _writer(r, book, tmp_path)
     writer.storage.down = True
-    k = JobKeys(JOB)
+    k = JobName(JOB)
     for round_ in range(10):  # ten batches sealed during the outage: Redis keeps none of them
         _complete(book, range(50 * round_, 50 * round_ + 50))
         assert writer.flush(JOB) and isinstance(writer.storage_failure, StorageError)
@@ -192,7 +192,7 @@ def test_a_full_disk_keeps_the_rows_in_redis_and_raises(r, tmp_path, monkeypatch
     with pytest.raises(StorageError) as err:
         writer.flush(JOB)
     assert "No space left on device" in str(err.value) and "S3 upload" in str(err.value)
-    k = JobKeys(JOB)
+    k = JobName(JOB)
     assert r.xlen(k.output) == 50 and r.exists(k.sealing) and not r.exists(k.manifest)
     assert list((writer.spool.root / JOB).iterdir()) == []  # the temporary file is gone
 
@@ -208,7 +208,7 @@ def test_a_spool_that_is_not_a_directory_fails_the_same_way(r, tmp_path):
     _complete(book, range(50))
     with pytest.raises(StorageError, match="spool could not take it"):
         writer.flush(JOB)
-    assert r.xlen(JobKeys(JOB).output) == 50
+    assert r.xlen(JobName(JOB).output) == 50
 
 
 STEPS = [  # (class or module, function, when): a beat dies right after this call
@@ -249,8 +249,8 @@ def test_a_beat_killed_after_any_step_loses_and_doubles_nothing(r, tmp_path, mon
     assert [b["name"] for b in manifest["batches"]] == sorted(b["name"] for b in manifest["batches"])
     c = _counters(r)
     assert c["batches"] == c["s3_uploaded"] == 3 and c["spooled"] == c["spooled_bytes"] == 0
-    assert fresh.spool.names(JOB) == [] and r.xlen(JobKeys(JOB).output) == 0
-    assert not r.exists(JobKeys(JOB).sealing)
+    assert fresh.spool.names(JOB) == [] and r.xlen(JobName(JOB).output) == 0
+    assert not r.exists(JobName(JOB).sealing)
 
 
 def test_dispatch_is_held_near_maxmemory_and_while_a_job_cannot_seal(r):
@@ -325,14 +325,14 @@ def test_a_shipped_spool_file_stays_until_a_replica_has_its_record(tmp_path):
         replica_proc._signal(signal.SIGSTOP)  # the replica acknowledges nothing
         try:
             writer.flush(JOB)
-            [record] = [json.loads(v) for v in master.hvals(JobKeys(JOB).manifest)]
+            [record] = [json.loads(v) for v in master.hvals(JobName(JOB).manifest)]
             assert record["location"] != SPOOLED                 # shipped, recorded on the master
             assert writer.spool.names(JOB), "the file stays until a replica has the record"
         finally:
             replica_proc._signal(signal.SIGCONT)
         writer.flush(JOB)
         assert writer.spool.names(JOB) == []
-        [record] = [json.loads(v) for v in replica.hvals(JobKeys(JOB).manifest)]
+        [record] = [json.loads(v) for v in replica.hvals(JobName(JOB).manifest)]
         assert record["location"] != SPOOLED
     finally:
         replica_proc.stop()
@@ -377,7 +377,7 @@ def test_a_long_outage_keeps_redis_flat_then_every_row_ships_once(cluster, moto,
     c.start_beat()
     path, ids = dataset(tmp_path, 1400)
     c.manage("enqueue", "--dataset", str(path), "--job", "flat", "--gpus", "2")
-    k = JobKeys("flat")
+    k = JobName("flat")
 
     held = wait_until(lambda: (s := c.status("flat"))["dispatch_held"] and s, timeout=120,
                       interval=0.5, what="dispatch held")

@@ -10,7 +10,7 @@ import pytest
 import redis as redis_lib
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.output.batches import MANIFEST_PART_BATCHES
 
 GPUS = ("gpu0@a", "gpu1@a")
@@ -52,7 +52,7 @@ def beat_env(redis_url, tmp_path, monkeypatch):
 def build(r, name: str, waiting: int, shipped: int) -> None:
     """A running job with `waiting` rows in its stream and `shipped` batches in its manifest, and
     prompts still pending (so no tick is the final one)."""
-    k = JobKeys(name)
+    name = k = JobName(name)
     jobs.save(r, name, jobs.GenerationParams(), selection=jobs.GpuSelection.parse("2"),
               dataset="x", status="running")
     r.sadd(k.gpus, *GPUS)
@@ -122,7 +122,7 @@ def measure(monkeypatch, work) -> dict[str, int]:
 def tick(name: str) -> None:
     from dflash_tasks.tasks.control import tick_job
 
-    tick_job(name)
+    tick_job(JobName(name))
 
 
 def tick_cost(r, monkeypatch, name: str, waiting: int, shipped: int) -> dict[str, int]:
@@ -141,7 +141,22 @@ def test_a_tick_costs_the_same_at_any_backlog_and_any_number_of_batches(r, beat_
     assert not ROW_READS & {key.split("#")[0] for key in small}, small
     # The same bytes but for the digits of larger counts (completed, total, ...): not one row.
     assert abs(sum(small.values()) - sum(large.values())) < len(ROW) // 4, (small, large)
-    assert r.xlen(JobKeys("large").output) == 100_000  # and it sealed nothing
+    assert r.xlen(JobName("large").output) == 100_000  # and it sealed nothing
+
+
+def test_a_tick_makes_one_snapshot_of_its_job(r, beat_env, monkeypatch):
+    """The snapshot (every figure of progress.json) is made once per tick: sealing before it
+    reads a few counts, and the snapshot it writes is the one that decides `done`."""
+    from dflash_tasks.tasks import control
+
+    beat_env(batch_rows=1000)
+    build(r, "once", waiting=2_500, shipped=3)
+    made = []
+    real = control.snapshot
+    monkeypatch.setattr(control, "snapshot", lambda *a, **kw: made.append(a[1]) or real(*a, **kw))
+    tick("once")
+    assert made == ["once"]
+    assert r.hlen(JobName("once").manifest) == 5  # and it sealed: a tick with work to do
 
 
 def test_a_tick_that_seals_reads_each_row_once(r, beat_env, monkeypatch):
@@ -154,7 +169,7 @@ def test_a_tick_that_seals_reads_each_row_once(r, beat_env, monkeypatch):
     for name, shipped in (("few", 10), ("many", 1_000)):
         build(r, name, 1_000, shipped)
         costs[name] = measure(monkeypatch, lambda: tick(name))
-        assert r.xlen(JobKeys(name).output) == 0 and r.hlen(JobKeys(name).manifest) == shipped + 1
+        assert r.xlen(JobName(name).output) == 0 and r.hlen(JobName(name).manifest) == shipped + 1
     for cost in costs.values():
         stream_bytes = sum(v for key, v in cost.items() if key.split("#")[0] in ROW_READS)
         assert 1_000 * len(ROW) <= stream_bytes < 1_000 * (len(ROW) + 64), cost
@@ -174,7 +189,7 @@ def test_the_counters_a_tick_reads_follow_the_stream_exactly(r, tmp_path):
     from dflash_tasks.output.batches import BatchPolicy, BatchWriter
     from dflash_tasks.output.storage import LocalStorage
 
-    name, k = "exact", JobKeys("exact")
+    name = k = JobName("exact")
     book = Ledger(r)
     jobs.save(r, name, jobs.GenerationParams(), selection=jobs.GpuSelection.parse("1"),
               dataset="x", status="running")
@@ -246,7 +261,7 @@ def test_status_and_a_tick_cost_the_same_whatever_the_broker_holds(r, beat_env, 
 
     beat_env(batch_rows=10**6, batch_bytes=10**12, batch_max_age_s=3600)
     build(r, "fleet", 1_000, 10)
-    k = JobKeys("fleet")
+    k = JobName("fleet")
     r.zadd(k.inflight(GPUS[0]), {f"p{i}": 1 for i in range(50)})
     r.zadd(k.retrying(GPUS[0]), {f"p{i}": 2**40 for i in range(0, 50, 5)})  # 10 waiting there
     r.zadd(k.retrying(GPUS[0]), {"recalled": 2**40})  # no longer in flight: not counted
@@ -254,9 +269,9 @@ def test_status_and_a_tick_cost_the_same_whatever_the_broker_holds(r, beat_env, 
     costs = {}
     for held in (0, 20_000):
         _fill_unacked(r, held, "fleet")
-        costs[held] = measure(monkeypatch, lambda: (snapshot(r, "fleet", get_settings()),
+        costs[held] = measure(monkeypatch, lambda: (snapshot(r, JobName("fleet"), get_settings()),
                                                     tick("fleet")))
-        snap = snapshot(r, "fleet", get_settings())
+        snap = snapshot(r, JobName("fleet"), get_settings())
         assert snap["retry_waiting"] == 10 and snap["gpus"][GPUS[0]]["in_flight"] == 40
     assert list(costs[0]) == list(costs[20_000])  # the same commands, in the same order
     assert "HSCAN" not in {key.split("#")[0] for key in costs[0]}
@@ -281,7 +296,7 @@ def test_manifest_writes_grow_with_the_run_not_its_square(r, tmp_path):
                 Counted.written += len(data)
             super().put(key, data)
 
-    name, n = "parts", 400
+    name, n = JobName("parts"), 400
     book = Ledger(r)
     jobs.save(r, name, jobs.GenerationParams(), selection=jobs.GpuSelection.parse("1"),
               dataset="x", status="running")

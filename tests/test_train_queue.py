@@ -20,6 +20,7 @@ from test_training_data import good_row, six_token_row, write_batches
 from tokenizer_support import build_tokenizer
 
 from dflash_dev.sim import tokens as sim
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.training.queue import runs
 
 # Short, varied lengths: every row finishes, none is short, no one length dominates.
@@ -202,7 +203,7 @@ def test_the_training_node_runs_only_the_templates_and_env_it_allows(cluster, tm
                    "trust_remote_code: not from a run's spec"),
     }
     for name, (command, _) in written.items():
-        runs.create(c.r, "job", "command", {"trainer": "command", "gate": {}, "command": command},
+        runs.create(c.r, JobName("job"), "command", {"trainer": "command", "gate": {}, "command": command},
                     trigger="now", name=f"job-{name}")
         subprocess.run(python("-c", f"from dflash_tasks.tasks.train import send; send('job-{name}')"),
                        env=c.env, check=True, cwd=ROOT)

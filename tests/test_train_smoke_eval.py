@@ -16,6 +16,7 @@ from test_training_reference import row
 from tiny_target import build_tiny_target, one_torch_thread  # noqa: F401  (a fixture)
 
 from dflash_dev.sim import tokens as sim
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.training.reference import blocks as blocks_module
 from dflash_tasks.training.reference import train, trainer
 from dflash_tasks.training.reference.config import SmokeConfig, TrainConfig
@@ -225,7 +226,7 @@ def test_train_eval_of_a_run_checks_the_thinking_mode_of_its_rows(tmp_path, chec
     from dflash_tasks.training.queue import runs
 
     r = redis.Redis.from_url(redis_url)
-    run = runs.create(r, JOB, "reference", {"trainer": "reference",
+    run = runs.create(r, JobName(JOB), "reference", {"trainer": "reference",
                                             "reference": {"target_model": str(target_dir)},
                                             "eval": {"prompts": str(write_prompts(
                                                 tmp_path / "heldout.jsonl")),

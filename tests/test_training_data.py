@@ -375,7 +375,7 @@ def test_the_quality_window_restarts_when_regenerate_supersedes_rows(redis_url):
     before it were still waiting for their batch."""
     import redis
 
-    from dflash_tasks.core.keys import JobKeys
+    from dflash_tasks.core.keys import JobName
     from dflash_tasks.training.data.monitor import restart_window, sample_quality
 
     r = redis.Redis.from_url(redis_url)
@@ -386,13 +386,13 @@ def test_the_quality_window_restarts_when_regenerate_supersedes_rows(redis_url):
         for i in range(n):
             row = {"id": f"{reason}{i}", "status": "completed", "conversations": [],
                    "metadata": {"completion_tokens": 100, "prompt_tokens": 10, "finish_reason": reason}}
-            out.append((r.xadd(JobKeys("qw").output, {"id": row["id"], "row": json.dumps(row)}).decode(), row))
+            out.append((r.xadd(JobName("qw").output, {"id": row["id"], "row": json.dumps(row)}).decode(), row))
         return out
 
-    assert sample_quality(r, "qw", add(10, "length") + add(10, "stop"))["truncated_pct"] == 50.0
+    assert sample_quality(r, JobName("qw"), add(10, "length") + add(10, "stop"))["truncated_pct"] == 50.0
     unsealed = add(5, "length")  # made before the regenerate, not yet in a batch
-    restart_window(r, "qw")  # the truncated rows are being generated again
-    after = sample_quality(r, "qw", unsealed + add(10, "stop"))  # the batch that seals them
+    restart_window(r, JobName("qw"))  # the truncated rows are being generated again
+    after = sample_quality(r, JobName("qw"), unsealed + add(10, "stop"))  # the batch that seals them
     assert after["window_rows"] == 10 and after["truncated_pct"] == 0.0
     assert after["sampled_rows"] == 30
-    assert sample_quality(r, "qw", unsealed)["sampled_rows"] == 30  # a batch is sampled once
+    assert sample_quality(r, JobName("qw"), unsealed)["sampled_rows"] == 30  # a batch is sampled once

@@ -10,6 +10,7 @@ import redis
 from rich.console import Console
 
 from dflash_tasks.core import jobs, lifecycle
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.settings import get_settings, redact_url
 
 console = Console()
@@ -101,7 +102,20 @@ def file_to_write(suffix: str):
     return check
 
 
-job_option = click.option("--job", "name", required=True, metavar="NAME",
+class JobNameType(click.ParamType):
+    """A --job given on the command line: the one place a command's job name is checked."""
+
+    name = "name"
+
+    def convert(self, value, param, ctx) -> JobName:
+        try:
+            return JobName(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+JOB = JobNameType()
+job_option = click.option("--job", "name", type=JOB, required=True, metavar="NAME",
                           help="The job (manage.py jobs lists them).")
 
 
@@ -118,11 +132,8 @@ def redis_or_fail() -> redis.Redis:
     return r
 
 
-def job_or_fail(r: redis.Redis, name: str) -> jobs.Job:
-    try:
-        job = jobs.load(r, name)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--job") from None
+def job_or_fail(r: redis.Redis, name: JobName) -> jobs.Job:
+    job = jobs.load(r, name)
     if job is None:
         known = ", ".join(jobs.names(r)) or "none"
         raise click.ClickException(f"no job named {name!r} (known jobs: {known})")
@@ -183,7 +194,7 @@ def rule_options(f):
     return f
 
 
-def output_storage(source: str | None, name: str, r: redis.Redis | None = None):
+def output_storage(source: str | None, name: JobName, r: redis.Redis | None = None):
     """Where the job's batches are: --from when given; else the location the job keeps, from
     any directory (when Redis answers: `r`, or the deployment's); else, for a reader without
     Redis (a trainer's machine), the deployment's storage."""
@@ -203,7 +214,7 @@ def output_storage(source: str | None, name: str, r: redis.Redis | None = None):
     return job_output(job, s) if job is not None else storage_for(s)
 
 
-def job_storage_from(source: str | None, name: str):
+def job_storage_from(source: str | None, name: JobName):
     """The job's shipped batches (output_storage), read through the job's manifest."""
     from dflash_tasks.training.data.reader import job_storage
 
@@ -232,12 +243,3 @@ def shipped_progress(storage, name: str) -> dict | None:
     except StorageError:
         return None
 
-
-def check_job_option(name: str) -> None:
-    """--job refused with the naming rule when it is not a valid job name."""
-    from dflash_tasks.core.keys import check_job_name
-
-    try:
-        check_job_name(name)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--job") from None

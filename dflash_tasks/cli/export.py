@@ -8,8 +8,8 @@ import click
 from rich.table import Table
 
 from dflash_tasks.cli.common import (
+    JOB,
     chat_template_option,
-    check_job_option,
     console,
     err_console,
     job_storage_from,
@@ -17,6 +17,7 @@ from dflash_tasks.cli.common import (
     rule_options,
     shipped_progress,
 )
+from dflash_tasks.core.keys import JobName
 
 
 def training_options(f):
@@ -35,7 +36,7 @@ def training_options(f):
 
 
 @click.command()
-@click.option("--job", "name", required=True, help="The job whose dataset to download.")
+@click.option("--job", "name", type=JOB, required=True, help="The job whose dataset to download.")
 @click.option("--to", "dest", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Destination directory (created; batches already there and intact are kept).")
 @click.option("--from", "source", metavar="S3_URI_OR_DIR",
@@ -43,7 +44,7 @@ def training_options(f):
 @click.option("--allow-partial", is_flag=True,
               help="Succeed even when fewer rows are shipped than the job has completed.")
 @training_options
-def export(name: str, dest: Path, source: str | None, allow_partial: bool, **training) -> None:
+def export(name: JobName, dest: Path, source: str | None, allow_partial: bool, **training) -> None:
     """Download a job's batches and manifest, verify every checksum, that no id appears twice,
     and that the row count equals the job's completed count. With --format, write the rows
     that pass the quality gate's rules in a training format instead."""
@@ -52,16 +53,11 @@ def export(name: str, dest: Path, source: str | None, allow_partial: bool, **tra
     import redis
 
     from dflash_tasks.core.connections import redis_client
-    from dflash_tasks.core.keys import JobKeys, check_job_name
     from dflash_tasks.output.batches import ChecksumMismatch
     from dflash_tasks.output.export import ExportError, expected_completed
     from dflash_tasks.output.export import export as run_export
     from dflash_tasks.output.storage import StorageError
 
-    try:
-        check_job_name(name)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--job") from None
     r = redis_client()
     try:
         r.ping()
@@ -84,7 +80,7 @@ def export(name: str, dest: Path, source: str | None, allow_partial: bool, **tra
                 spin.update(f"verified {done[0]} batches ({rec['name']})")
 
             # Regenerated ids have an older row too (the newest wins); the ledger says how many.
-            regenerated = int(r.hget(JobKeys(name).counters, "regenerated") or 0) if r else 0
+            regenerated = int(r.hget(name.counters, "regenerated") or 0) if r else 0
             report = run_export(storage, name, dest, expected=expected, expected_source=where,
                                 allow_partial=allow_partial, regenerated=regenerated,
                                 on_batch=on_batch)
@@ -107,8 +103,9 @@ def export(name: str, dest: Path, source: str | None, allow_partial: bool, **tra
         err_console.print(f"[yellow]{problem}[/]")
 
 
-def export_format(name: str, dest: Path, source: str | None, *, fmt: str, tokenizer: Path | None,
-                  min_loss_tokens: int, max_length: int, keep_truncated: bool) -> None:
+def export_format(name: JobName, dest: Path, source: str | None, *, fmt: str,
+                  tokenizer: Path | None, min_loss_tokens: int, max_length: int,
+                  keep_truncated: bool) -> None:
     """The training formats of `manage.py export`."""
     from dflash_tasks.output.batches import ChecksumMismatch
     from dflash_tasks.output.storage import StorageError
@@ -116,7 +113,6 @@ def export_format(name: str, dest: Path, source: str | None, *, fmt: str, tokeni
     from dflash_tasks.training.data.gate import REASONS, Rules
     from dflash_tasks.training.data.reader import NoManifest
 
-    check_job_option(name)
     storage = job_storage_from(source, name)
     template = chat_template_option(tokenizer)
     rules = Rules(min_loss_tokens=min_loss_tokens, max_length=max_length,

@@ -16,6 +16,7 @@ from dflash_tasks.cli.common import (
     job_or_fail,
     redis_or_fail,
 )
+from dflash_tasks.core.keys import JobName
 
 _REASON_HELP = ("A reason (invalid_request, model_not_found, empty_response, internal_error, "
                 "unavailable, timeout, bad_response, aborted) or a class (transient, permanent).")
@@ -58,7 +59,7 @@ def _when(ts) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Everything, machine-readable.")
 @click.option("--limit", type=click.IntRange(min=0), default=10, show_default=True,
               help="Prompts listed per reason (the JSON lists all).")
-def failed(name: str, as_json: bool, limit: int) -> None:
+def failed(name: JobName, as_json: bool, limit: int) -> None:
     """A job's failed registry, grouped by reason, with the retry counters and each GPU
     worker's circuit breaker."""
     from dflash_tasks.dispatch.failures import summary
@@ -92,12 +93,12 @@ def failed(name: str, as_json: bool, limit: int) -> None:
                          "what failed them is mended)" if permanent else ""))
 
 
-def _check_reason_and_gpu(r, name: str, reason: str | None, gpu: str | None) -> None:
+def _check_reason_and_gpu(r, name: JobName, reason: str | None, gpu: str | None) -> None:
     """A --reason or --gpu that can match nothing is a typo: refused with the choices (the
     reasons the server's answers have, the classes, and those in this job's registry: a task's
     own, such as internal_error or prompt_body_missing)."""
     from dflash_tasks import dispatch
-    from dflash_tasks.core.keys import parse_gpu
+    from dflash_tasks.core.keys import GpuName
     from dflash_tasks.dispatch.failures import CLASSES, read
     from dflash_tasks.ledger import shared_ledger
     from dflash_tasks.sglang import REASONS
@@ -110,9 +111,9 @@ def _check_reason_and_gpu(r, name: str, reason: str | None, gpu: str | None) -> 
                                      f"{', '.join(known)}", param_hint="--reason")
     if gpu is not None:
         ran_on = dispatch.dispatched_gpus(r, name)
-        if parse_gpu(gpu) is None or gpu not in ran_on:
-            what = "is not a GPU name (gpuI@node)" if parse_gpu(gpu) is None else \
-                f"is not a GPU job {name} ran on"
+        if gpu not in ran_on:
+            what = f"is not a GPU job {name} ran on" if GpuName.among([gpu]) else \
+                "is not a GPU name (gpuI@node)"
             raise click.BadParameter(f"{gpu!r} {what}; its GPUs: {', '.join(ran_on) or 'none yet'}",
                                      param_hint="--gpu")
 
@@ -128,7 +129,7 @@ def _check_reason_and_gpu(r, name: str, reason: str | None, gpu: str | None) -> 
                    "that names them includes them too.")
 @click.option("--dry-run", is_flag=True, help="Only say what would be re-queued.")
 @click.option("--json", "as_json", is_flag=True, help="The report, machine-readable.")
-def retry_failed(name: str, reason: str | None, gpu: str | None, include_permanent: bool,
+def retry_failed(name: JobName, reason: str | None, gpu: str | None, include_permanent: bool,
                  dry_run: bool, as_json: bool) -> None:
     """Dispatch failed prompts again: by default those that can succeed now (a timeout, a server
     that was down). Each leaves the registry in the same atomic step that puts it back in the

@@ -16,6 +16,7 @@ from dflash_tasks.cli.common import (
     redis_or_fail,
 )
 from dflash_tasks.core import jobs, lifecycle
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.settings import get_settings
 
 
@@ -51,7 +52,7 @@ def list_jobs(as_json: bool) -> None:
 
 @click.command()
 @job_option
-def pause(name: str) -> None:
+def pause(name: JobName) -> None:
     """Stop dispatching the job's prompts; requests in flight finish and are kept."""
     r = redis_or_fail()
     change_state(r, "pause", job_or_fail(r, name))
@@ -60,7 +61,7 @@ def pause(name: str) -> None:
 
 @click.command()
 @job_option
-def resume(name: str) -> None:
+def resume(name: JobName) -> None:
     """Dispatch the job's prompts again."""
     from dflash_tasks import dispatch
     from dflash_tasks.ledger import shared_ledger
@@ -78,7 +79,7 @@ def resume(name: str) -> None:
 @click.command()
 @job_option
 @click.confirmation_option(prompt="Cancel this job? Nothing more is dispatched (resume can finish it later)")
-def cancel(name: str) -> None:
+def cancel(name: JobName) -> None:
     """Stop dispatching the job for good; rows already made are kept, and the prompts never
     generated stay counted (`resume` finishes them, `delete` removes the job)."""
     from dflash_tasks import dispatch
@@ -94,7 +95,7 @@ def cancel(name: str) -> None:
 @click.command("set")
 @job_option
 @generation_options(shown_defaults=False)
-def set_params(name: str, max_output_tokens, temperature, top_p, top_k, thinking) -> None:
+def set_params(name: JobName, max_output_tokens, temperature, top_p, top_k, thinking) -> None:
     """Change the job's generation parameters for every prompt not yet sent to a server,
     without stopping workers or servers. What is not given keeps the job's current value."""
     from dflash_tasks.core.lifecycle import TRANSITIONS
@@ -126,7 +127,7 @@ def set_params(name: str, max_output_tokens, temperature, top_p, top_k, thinking
 @click.command()
 @job_option
 @click.confirmation_option(prompt="Remove this job and all its prompts from Redis?")
-def delete(name: str) -> None:
+def delete(name: JobName) -> None:
     """Remove a job (not running) and every Redis key it has, and its prompt bodies kept on
     storage (`enqueue --bodies storage`); batches already shipped stay in the output directory
     or bucket."""
@@ -148,7 +149,7 @@ def delete(name: str) -> None:
             raise click.ClickException(f"job {name}: its prompt chunks under {location} could not "
                                        f"be removed ({exc}); nothing was deleted: run delete again "
                                        "when the storage answers") from None
-    spooled = int(r.hget(job.keys.counters, "spooled") or 0)
+    spooled = int(r.hget(job.name.counters, "spooled") or 0)
     try:  # compare and delete: a resume since it was read keeps the job
         removed = jobs.delete(r, name, allowed=lifecycle.TRANSITIONS["delete"])
     except (ValueError, jobs.JobDeleted) as exc:

@@ -8,7 +8,7 @@ import sys
 import click
 
 from dflash_tasks.cli.common import err_console
-from dflash_tasks.core.keys import CONTROL_QUEUE, TRAIN_QUEUE, check_node_name, gpu_name
+from dflash_tasks.core.keys import CONTROL_QUEUE, TRAIN_QUEUE, GpuName, check_node_name
 from dflash_tasks.core.settings import get_settings, redact_url
 
 # -- processes ----------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def worker(gpu: int | None, node: str | None, queue: str | None, sglang_url: str
     if sglang_url:
         os.environ["DFLASH_SGLANG_URL"] = sglang_url
     get_settings.cache_clear()
-    name = gpu_name(get_settings().node, gpu)
+    name = GpuName.on(get_settings().node, gpu)
     url = get_settings().sglang_url_for(name)
     if concurrency is None:
         client = SGLangClient(url)

@@ -16,6 +16,7 @@ from typing import Callable
 import click
 
 from dflash_tasks.cli.common import allowed_or_fail, console, job_option, job_or_fail, redis_or_fail
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.ledger.messages import compress_messages_json
 
@@ -40,7 +41,7 @@ class Tally:
     def full(self) -> bool:
         return bool(self.limit) and self.reopened + len(self._slice) >= self.limit
 
-    def reopen(self, book, job: str, ended, entry: dict | bytes) -> None:
+    def reopen(self, book, job: JobName, ended, entry: dict | bytes) -> None:
         """Take `ended` back with `entry` as its stored prompt: the messages as `prompts`
         stores them (from the index), or {messages, continue?} (from the row)."""
         kept = 0
@@ -52,7 +53,7 @@ class Tally:
         if len(self._slice) >= SLICE:
             self.flush(book, job)
 
-    def flush(self, book, job: str) -> None:
+    def flush(self, book, job: JobName) -> None:
         """Take the slice back: its continuations' chunk written first, then one round trip."""
         if not self._slice:
             return
@@ -98,7 +99,7 @@ def _check_finish_reason(counters: dict, reason: str) -> None:
               help="Continue truncated outputs from their token ids (SGLang /generate) instead of "
                    "starting over: only the missing tokens are generated.")
 @click.option("--limit", type=click.IntRange(min=1), help="At most N prompts.")
-def regenerate(name: str, finish_reason: str, continue_output: bool, limit: int | None) -> None:
+def regenerate(name: JobName, finish_reason: str, continue_output: bool, limit: int | None) -> None:
     """Generate again the prompts whose row ended with FINISH_REASON. The new row replaces the
     old one (readers keep the newest row per id); counters and progress.json follow."""
     from dflash_tasks import dispatch
@@ -185,7 +186,7 @@ def _check_memory(r, s, rows: int) -> None:
             "maxmemory, and REDIS_MAXMEMORY for the next start) or take fewer with --limit")
 
 
-def _continuation_store(r, s, name: str):
+def _continuation_store(r, s, name: JobName):
     """Where the entries of the rows to continue go: chunk objects under the job's body location
     (its own, or the deployment's storage, which becomes the job's), read back by the task."""
     from dflash_tasks.ledger.bodies import ChunkWriter, job_location
@@ -201,7 +202,7 @@ def _refuse_capped(name: str, prompt_id: str, tokens: int, cap: int) -> None:
         f"raise it first (manage.py set --job {name} --max-output-tokens N), then continue")
 
 
-def _continue_from_index(book, r, storage, spool, name: str, cap: int, tally: Tally) -> None:
+def _continue_from_index(book, r, storage, spool, name: JobName, cap: int, tally: Tally) -> None:
     """Truncated rows continued from their token ids: the index finds them and says where each
     is; only the batches holding them are read, each once, oldest first."""
     from dflash_tasks.output.batches import rows_at
@@ -230,7 +231,7 @@ def _why_every_batch(name: str, reason: str, indexed: int, counted: int) -> str:
             "reading the whole output")
 
 
-def _from_every_batch(book, r, storage, spool, name: str, reason: str, continue_output: bool,
+def _from_every_batch(book, r, storage, spool, name: JobName, reason: str, continue_output: bool,
                       cap: int, tally: Tally) -> None:
     """The rows found by reading the job's whole output, newest row per id first."""
     from dataclasses import replace

@@ -12,6 +12,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dflash_tasks.cli.common import (
+    JOB,
     allowed_or_fail,
     changed_meanwhile,
     console,
@@ -22,6 +23,7 @@ from dflash_tasks.cli.common import (
     redis_or_fail,
 )
 from dflash_tasks.core import jobs, lifecycle
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.settings import get_settings
 
 # -- enqueue ------------------------------------------------------------------------------------
@@ -29,7 +31,8 @@ from dflash_tasks.core.settings import get_settings
 @click.command()
 @click.option("--dataset", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file of prompts.")
-@click.option("--job", "name", required=True, help="Job name; enqueue the same job again to resume.")
+@click.option("--job", "name", type=JOB, required=True,
+              help="Job name; enqueue the same job again to resume.")
 @generation_options(shown_defaults=True)
 @click.option("--limit", type=click.IntRange(min=1), help="Only the first N valid prompts.")
 @click.option("--gpus", metavar="all|N|GPUS",
@@ -49,11 +52,10 @@ from dflash_tasks.core.settings import get_settings
               show_default="DFLASH_S3_URI, else DFLASH_OUTPUT_DIR made absolute; a resumed job "
                            "keeps its own")
 @click.option("--follow", is_flag=True, help="Show progress until the job is done.")
-def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top_k, thinking,
+def enqueue(dataset: Path, name: JobName, max_output_tokens, temperature, top_p, top_k, thinking,
             limit, gpus, nodes, bodies, output, follow) -> None:
     """Store a dataset's prompts as a job and start dispatching them; resumes a known job."""
     from dflash_tasks import dispatch
-    from dflash_tasks.core.keys import check_job_name
     from dflash_tasks.ingest.loader import CHUNK, PromptLoader
     from dflash_tasks.ingest.prompts import DatasetError, ReadSummary, read_prompts
     from dflash_tasks.ledger import shared_ledger
@@ -61,10 +63,6 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
     from dflash_tasks.output.storage import StorageError, storage_at
     from dflash_tasks.tasks.app import app
 
-    try:
-        check_job_name(name)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--job") from None
     r = redis_or_fail()
     existing = jobs.load(r, name)
     if existing is not None:
@@ -130,7 +128,12 @@ def enqueue(dataset: Path, name: str, max_output_tokens, temperature, top_p, top
             raise DatasetError(f"{dataset}: no valid prompt ({summary.rows:,} rows read, "
                                f"{len(summary.bad):,} malformed{first})")
     except BaseException as exc:
-        loader.abandon()
+        # A dataset unreadable from some line on: the chunks read before it are stored, as the
+        # message says. Anything else stops after the chunk being sent.
+        if isinstance(exc, DatasetError):
+            loader.keep_read()
+        else:
+            loader.abandon()
         gone = isinstance(exc, jobs.JobDeleted)
         removed = existing is None and not gone and not dispatching.is_set()
         if removed:
@@ -250,7 +253,7 @@ def _print_enqueue_summary(r, job, summary, added, params, serving: list[str]) -
 
 # -- status -------------------------------------------------------------------------------------
 
-def _snapshot(r, name: str) -> dict:
+def _snapshot(r, name: JobName) -> dict:
     from dflash_tasks.output.progress import snapshot
 
     job_or_fail(r, name)
@@ -339,7 +342,7 @@ def _duration(hours: float | None) -> str:
     return f"{hours * 60:.0f} min" if hours * 60 >= 1 else f"{hours * 3600:.0f} s"
 
 
-def _watch(r, name: str) -> str:
+def _watch(r, name: JobName) -> str:
     """The status panel, refreshed every second until the job is done or cancelled; returns
     that state."""
     with Live(_status_table(_snapshot(r, name)), console=console, refresh_per_second=1) as live:
@@ -356,7 +359,7 @@ def _watch(r, name: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable, progress.json's names.")
 @click.option("--watch", is_flag=True,
               help="Refresh every second until the job is done (exit 0) or cancelled (exit 1).")
-def status(name: str, as_json: bool, watch: bool) -> None:
+def status(name: JobName, as_json: bool, watch: bool) -> None:
     """A job's counters, rate and ETA."""
     r = redis_or_fail()
     if watch:

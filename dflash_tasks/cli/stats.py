@@ -15,6 +15,7 @@ from dflash_tasks.cli.common import (
     output_storage,
     redis_or_fail,
 )
+from dflash_tasks.core.keys import JobName
 
 
 def _row(t: Table, label: str, s: dict) -> None:
@@ -31,7 +32,7 @@ def _row(t: Table, label: str, s: dict) -> None:
               help="Newest rows read for what counters cannot tell (0: counters only).")
 @click.option("--plot", metavar="FILE.png", callback=file_to_write(".png"),
               help="Write a PNG histogram of output lengths.")
-def stats(name: str, as_json: bool, source: str | None, sample: int, plot: Path | None) -> None:
+def stats(name: JobName, as_json: bool, source: str | None, sample: int, plot: Path | None) -> None:
     """Output-token percentiles, finish reasons, truncation (while thinking or in the answer),
     reasoning against answer length, empty answers, think markers in content, per GPU."""
     from dflash_tasks.output.stats import counter_hist, job_stats, plot_lengths

@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from dflash_tasks.cli.common import console, redis_or_fail
+from dflash_tasks.cli.common import JOB, console, redis_or_fail
+from dflash_tasks.core.keys import JobName
 
 
 def _spec(config: Path | None, trainer: str, template: str | None, command: str | None) -> dict:
@@ -34,7 +35,7 @@ def _spec(config: Path | None, trainer: str, template: str | None, command: str 
                                  else "--template") from None
 
 
-def _check_job(r, name: str, waits: bool) -> None:
+def _check_job(r, name: JobName, waits: bool) -> None:
     """A run that waits for its trigger needs a job this deployment runs; one that starts now
     needs shipped batches (in Redis's manifest, or a manifest in storage from elsewhere)."""
     from dflash_tasks.core import jobs
@@ -42,10 +43,7 @@ def _check_job(r, name: str, waits: bool) -> None:
     from dflash_tasks.output.batches import manifest_key
     from dflash_tasks.output.storage import StorageError, storage_for
 
-    try:
-        job = jobs.load(r, name)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--job") from None
+    job = jobs.load(r, name)
     if job is not None:
         return
     if waits:
@@ -63,7 +61,7 @@ def _check_job(r, name: str, waits: bool) -> None:
 
 
 @click.command()
-@click.option("--job", "job", required=True, help="The job whose rows to train on.")
+@click.option("--job", "job", type=JOB, required=True, help="The job whose rows to train on.")
 @click.option("--after-done", is_flag=True,
               help="Wait for the job to be done; beat launches the run then.")
 @click.option("--min-rows", type=click.IntRange(min=1), metavar="N",
@@ -88,7 +86,7 @@ def _check_job(r, name: str, waits: bool) -> None:
               help="Queue nothing: run the overfit gate here, now, on a few of the job's "
                    "shipped rows ([smoke] of --config, or its defaults); exit 1 if it fails.")
 @click.option("--json", "as_json", is_flag=True, help="Print the new run as JSON.")
-def train(job: str, after_done: bool, min_rows: int | None, trainer: str, template: str | None,
+def train(job: JobName, after_done: bool, min_rows: int | None, trainer: str, template: str | None,
           command: str | None, config: Path | None, run_name: str | None, smoke: bool,
           as_json: bool) -> None:
     """Queue a training run of the job's rows for a training worker (manage.py worker --queue
@@ -136,7 +134,7 @@ def train(job: str, after_done: bool, min_rows: int | None, trainer: str, templa
                   f"  follow it: python manage.py train-status --run {run.name}", highlight=False)
 
 
-def _smoke_now(job: str, spec: dict, as_json: bool) -> None:
+def _smoke_now(job: JobName, spec: dict, as_json: bool) -> None:
     """The overfit gate on the job's rows where they are shipped, in a scratch directory."""
     import tempfile
 
@@ -164,8 +162,8 @@ def _smoke_now(job: str, spec: dict, as_json: bool) -> None:
 
 @click.command("train-cancel")
 @click.option("--run", "run_name", help="The run to cancel.")
-@click.option("--job", help="Cancel every unfinished run of this job.")
-def train_cancel(run_name: str | None, job: str | None) -> None:
+@click.option("--job", type=JOB, help="Cancel every unfinished run of this job.")
+def train_cancel(run_name: str | None, job: JobName | None) -> None:
     """Cancel a training run: at once when it has not started, else its worker stops the
     trainer (a checkpoint is kept) and marks it cancelled."""
     from dflash_tasks.training.queue import runs
@@ -209,9 +207,9 @@ def _fmt(v, spec: str = "") -> str:
 
 @click.command("train-status")
 @click.option("--run", "run_name", help="One run in detail: metrics, gate, checkpoints, log.")
-@click.option("--job", help="Only this job's runs.")
+@click.option("--job", type=JOB, help="Only this job's runs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
-def train_status(run_name: str | None, job: str | None, as_json: bool) -> None:
+def train_status(run_name: str | None, job: JobName | None, as_json: bool) -> None:
     """Training runs: status, step, loss, per-position accuracy, tokens/s, exit code, duration,
     checkpoints."""
     from dflash_tasks.training.queue import runs

@@ -9,6 +9,7 @@ import click
 from rich.table import Table
 
 from dflash_tasks.cli.common import console, file_to_write
+from dflash_tasks.core.keys import JobName
 
 CHECKPOINT_FILES = ("config.json", "drafter.safetensors")
 
@@ -133,7 +134,8 @@ def train_eval(run_name: str | None, step: int | None, checkpoint: Path | None,
         checkpoint = _checkpoint_of_run(run, step)
         reference = run.spec.get("reference") or {}
         try:
-            rows = list(NewestRows(output_storage(None, run.job, r), run.job, limit=64))
+            job = JobName(run.job)  # as the run's record in Redis has it
+            rows = list(NewestRows(output_storage(None, job, r), job, limit=64))
         except NoManifest as exc:
             raise click.ClickException(f"run {run.name}: its job's rows, for the thinking "
                                        f"contract: {exc}") from None

@@ -9,14 +9,15 @@ import click
 from rich.table import Table
 
 from dflash_tasks.cli.common import (
+    JOB,
     chat_template_option,
-    check_job_option,
     console,
     err_console,
     job_storage_from,
     rule_options,
     shipped_progress,
 )
+from dflash_tasks.core.keys import JobName
 
 _SHARE = click.FloatRange(0.0, 1.0)
 
@@ -89,7 +90,7 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
 
 
 @click.command()
-@click.option("--job", "name", required=True, help="The job whose shipped rows to check.")
+@click.option("--job", "name", type=JOB, required=True, help="The job whose shipped rows to check.")
 @click.option("--from", "source", metavar="S3_URI_OR_DIR",
               help="Where the batches are.", show_default="the location the job keeps")
 @rule_options
@@ -118,7 +119,7 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
 @click.option("--min-kept-rows", type=click.IntRange(min=0), default=1, show_default=True,
               help="Fail when the rules keep fewer rows than this (what the trainer would read).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def validate(name: str, source: str | None, tokenizer: Path | None, min_loss_tokens: int,
+def validate(name: JobName, source: str | None, tokenizer: Path | None, min_loss_tokens: int,
              max_length: int, keep_truncated: bool, sample: int, compare_rows: int,
              as_json: bool, **limits) -> None:
     """The quality gate: check a job's shipped rows before training on them. Reports the
@@ -131,7 +132,6 @@ def validate(name: str, source: str | None, tokenizer: Path | None, min_loss_tok
     from dflash_tasks.training.data.gate import Rules, Thresholds
     from dflash_tasks.training.data.reader import NoManifest
 
-    check_job_option(name)
     storage = job_storage_from(source, name)
     template = chat_template_option(tokenizer)
     rules = Rules(min_loss_tokens=min_loss_tokens, max_length=max_length,

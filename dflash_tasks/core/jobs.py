@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Iterable
+from typing import Callable, Iterable
 
 import redis
 
-from dflash_tasks.core.keys import JOBS, JobKeys, check_job_name, check_node_name, parse_gpu
+from dflash_tasks.core.keys import JOBS, GpuName, JobName, check_node_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,7 @@ class GpuSelection:
         spec = (gpus or "all").strip()
         if spec != "all" and not spec.isdigit():
             names = [g.strip() for g in spec.split(",") if g.strip()]
-            bad = [g for g in names if parse_gpu(g) is None]
+            bad = sorted(set(names).difference(GpuName.among(names)))
             if not names or bad:
                 raise ValueError(f"--gpus takes `all`, a count N (gpu0..gpuN-1 of each node) or GPU "
                                  f"names like gpu0@node-a,gpu1@node-a; not {', '.join(bad) or spec!r}")
@@ -70,17 +70,13 @@ class GpuSelection:
             check_node_name(node)
         return cls(gpus=spec, nodes=node_names)
 
-    def allows(self, gpu: str) -> bool:
-        parsed = parse_gpu(gpu)
-        if parsed is None:
-            return False
-        index, node = parsed
-        if self.nodes and node not in self.nodes:
+    def allows(self, gpu: GpuName) -> bool:
+        if self.nodes and gpu.node not in self.nodes:
             return False
         if self.gpus == "all":
             return True
         if self.gpus.isdigit():
-            return index < int(self.gpus)
+            return gpu.local_index < int(self.gpus)
         return gpu in self.gpus.split(",")
 
     def describe(self) -> str:
@@ -92,7 +88,7 @@ class GpuSelection:
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    name: str
+    name: JobName
     params: GenerationParams
     status: str
     selection: GpuSelection
@@ -105,17 +101,13 @@ class Job:
     # The config hash exactly as read: what a command's compare-and-set expects to find again.
     stored: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
-    @property
-    def keys(self) -> JobKeys:
-        return JobKeys(self.name)
-
     def as_read(self, *names: str) -> dict[str, list[str]]:
         """Ledger.update_job's expectation: these fields still as this command read them."""
         return {name: [self.stored.get(name, "")] for name in names}
 
 
-def load(r: redis.Redis, name: str) -> Job | None:
-    raw = r.hgetall(JobKeys(check_job_name(name)).config)
+def load(r: redis.Redis, name: JobName) -> Job | None:
+    raw = r.hgetall(name.config)
     if not raw:
         return None
     d = {k.decode(): v.decode() for k, v in raw.items()}
@@ -133,14 +125,13 @@ def config_fields(params: GenerationParams, selection: GpuSelection) -> dict[str
             "nodes": ",".join(selection.nodes)}
 
 
-def save(r: redis.Redis, name: str, params: GenerationParams, *, selection: GpuSelection,
+def save(r: redis.Redis, name: JobName, params: GenerationParams, *, selection: GpuSelection,
          dataset: str, status: str = "running", output: str = "") -> Job:
     """Create the job (unconditionally: a new job's first write, or a test's). Every later change
     is a compare-and-set against what its command read (Ledger.update_job, Ledger.transition)."""
-    k = JobKeys(check_job_name(name))
     pipe = r.pipeline()
-    pipe.hsetnx(k.config, "created_at", time.time())
-    pipe.hset(k.config, mapping={**config_fields(params, selection), "dataset": dataset,
+    pipe.hsetnx(name.config, "created_at", time.time())
+    pipe.hset(name.config, mapping={**config_fields(params, selection), "dataset": dataset,
                                  "status": status, **({"output": output} if output else {})})
     pipe.sadd(JOBS, name)
     pipe.execute()
@@ -149,41 +140,49 @@ def save(r: redis.Redis, name: str, params: GenerationParams, *, selection: GpuS
     return job
 
 
-def names(r: redis.Redis) -> list[str]:
-    return sorted(m.decode(errors="replace") for m in r.smembers(JOBS))
+def names(r: redis.Redis, skipped: Callable[[str, ValueError], object] | None = None,
+          ) -> list[JobName]:
+    """Every job's name. A member of the set that is no job name (written by hand: enqueue
+    checks every name) is left out, and given to `skipped` with the reason."""
+    found = []
+    for member in r.smembers(JOBS):
+        raw = member.decode(errors="replace")
+        try:
+            found.append(JobName(raw))
+        except ValueError as exc:
+            if skipped is not None:
+                skipped(raw, exc)
+    return sorted(found)
 
 
-def body_location(r: redis.Redis, name: str, wanted: str | None = None) -> str | None:
+def body_location(r: redis.Redis, name: JobName, wanted: str | None = None) -> str | None:
     """Where the job's prompt bodies are kept on storage (ledger/bodies.py), or None while they
     are all in Redis. With `wanted`, the first caller's location becomes the job's; later ones
     get that one back, so every chunk of a job is in one place."""
-    k = JobKeys(name)
     if wanted is not None:
-        _write_if_exists(r, name, lambda pipe: pipe.hsetnx(k.config, "bodies", wanted))
-    found = r.hget(k.config, "bodies")
+        _write_if_exists(r, name, lambda pipe: pipe.hsetnx(name.config, "bodies", wanted))
+    found = r.hget(name.config, "bodies")
     return found.decode() if found is not None else None
 
 
-def next_body_chunk(r: redis.Redis, name: str) -> int:
+def next_body_chunk(r: redis.Redis, name: JobName) -> int:
     """A chunk number no other enqueue of the job has used (chunk objects are never rewritten)."""
-    k = JobKeys(name)
-    return int(_write_if_exists(r, name, lambda pipe: pipe.hincrby(k.config, "body_chunks", 1)))
+    return int(_write_if_exists(r, name, lambda pipe: pipe.hincrby(name.config, "body_chunks", 1)))
 
 
 class JobDeleted(LookupError):
     """The job was deleted (or never was) when a write into its config came."""
 
 
-def _write_if_exists(r: redis.Redis, name: str, write):
+def _write_if_exists(r: redis.Redis, name: JobName, write):
     """write(pipeline) in a transaction, only while the job exists (its config has a status):
     a write into the config of a job deleted meanwhile would leave a config of nothing behind,
     which every ledger script would take for a job."""
-    k = JobKeys(name)
     with r.pipeline() as pipe:
         while True:
             try:
-                pipe.watch(k.config)
-                if not pipe.hexists(k.config, "status"):
+                pipe.watch(name.config)
+                if not pipe.hexists(name.config, "status"):
                     raise JobDeleted(f"job {name} was deleted while this ran")
                 pipe.multi()
                 write(pipe)
@@ -192,30 +191,29 @@ def _write_if_exists(r: redis.Redis, name: str, write):
                 continue
 
 
-def delete(r: redis.Redis, name: str, allowed: Iterable[str] | None = None) -> int:
+def delete(r: redis.Redis, name: JobName, allowed: Iterable[str] | None = None) -> int:
     """Remove every Redis key of the job and its name; batches already shipped stay where they
     are. With `allowed`, only while the job's status is one of them, checked in the same
     transaction that removes its config (a `resume` in between is not deleted): after that no
     ledger script writes for it any more, and the rest of its keys go. Raises JobDeleted when
     there was no such job, and ValueError when its status is not allowed (the message names
     it). Returns how many keys were removed."""
-    k = JobKeys(check_job_name(name))
     with r.pipeline() as pipe:
         while True:
             try:
-                pipe.watch(k.config)
-                status = pipe.hget(k.config, "status")
+                pipe.watch(name.config)
+                status = pipe.hget(name.config, "status")
                 if allowed is not None:
                     if status is None:
                         raise JobDeleted(f"job {name} was deleted meanwhile")
                     if status.decode() not in allowed:
                         raise ValueError(f"job {name} changed to {status.decode()} while this ran")
                 pipe.multi()
-                pipe.delete(k.config)
+                pipe.delete(name.config)
                 pipe.srem(JOBS, name)
                 removed = pipe.execute()[0]
                 break
             except redis.WatchError:
                 continue
-    rest = list(r.scan_iter(match=k.every_key, count=1000))
+    rest = list(r.scan_iter(match=name.every_key, count=1000))
     return int(removed) + (int(r.delete(*rest)) if rest else 0)

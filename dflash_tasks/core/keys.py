@@ -7,11 +7,11 @@ scripts of the ledger touch one slot.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import Iterable
 
 PREFIX = "dflash"
 JOBS = f"{PREFIX}:jobs"          # set: every job name ever enqueued
-# The GPU registry, each hash keyed by GPU name ("gpu3@node-a", gpu_name below):
+# The GPU registry, each hash keyed by GPU name ("gpu3@node-a", GpuName below):
 WORKERS = f"{PREFIX}:workers"    # hash: GPU -> JSON {concurrency, hostname, url, started_at}
 BREAKERS = f"{PREFIX}:breakers"  # hash: GPU -> JSON {state, consecutive_failures, last_error, ...}
 SERVERS = f"{PREFIX}:servers"    # hash: GPU -> JSON of its SGLang server's /metrics sample
@@ -61,35 +61,55 @@ def check_node_name(name: str) -> str:
     return _checked(name, _NODE_NAME, "node", NODE_NAME_MAX)
 
 
-def gpu_name(node: str, index: int) -> str:
+class GpuName(str):
     """A GPU's name, unique in the deployment: its local index on its node, as Celery names a
-    worker ("gpu3@node-a"). Its queue and its Celery worker bear the same name."""
-    return f"gpu{index}@{check_node_name(node)}"
+    worker ("gpu3@node-a"). Its Celery queue and its worker bear the same name, so the value is
+    its queue's name too. Made, and so checked, once where a name comes in (a command's option,
+    a task's argument, a queue or registry name); below that it is passed as is, carrying its
+    node and index."""
+
+    local_index: int  # on its node (not str.index)
+    node: str
+
+    def __new__(cls, name: str) -> "GpuName":
+        m = _GPU_NAME.match(name)
+        if not m:
+            raise ValueError(f"invalid GPU name {name!r}: gpuI@node, like gpu0@node-a")
+        gpu = super().__new__(cls, name)
+        gpu.local_index, gpu.node = int(m.group(1)), m.group(2)
+        return gpu
+
+    @classmethod
+    def on(cls, node: str, index: int) -> "GpuName":
+        return cls(f"gpu{index}@{check_node_name(node)}")
+
+    @classmethod
+    def among(cls, names: Iterable[str | bytes]) -> list["GpuName"]:
+        """The GPU names among these (queue names, registry fields), by node then index (gpu2
+        before gpu10); other names are left out."""
+        found = set()
+        for raw in names:
+            name = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+            if _GPU_NAME.match(name):
+                found.add(cls(name))
+        return sorted(found, key=GpuName.order)
+
+    def order(self) -> tuple[str, int]:
+        """Sort key: by node, then local index."""
+        return self.node, self.local_index
 
 
-def parse_gpu(name: str) -> tuple[int, str] | None:
-    """(local index, node) of a GPU name; None for anything else (another queue)."""
-    m = _GPU_NAME.match(name)
-    return (int(m.group(1)), m.group(2)) if m else None
+class JobName(str):
+    """A job's name, made, and so checked, once where a name comes in (a command's argument, a
+    task's, a name read back from Redis); below that it is passed as is, carrying the keys of
+    the job's data. The name is in braces in each, a Redis Cluster hash tag, so the multi-key
+    Lua scripts touch one slot."""
 
-
-def gpu_order(name: str) -> tuple[str, int]:
-    """Sort key: by node, then local index (gpu2 before gpu10)."""
-    index, node = parse_gpu(name) or (0, name)
-    return node, index
-
-
-def queue_for(gpu: str) -> str:
-    """A GPU's Celery queue: its name."""
-    return gpu
-
-
-@dataclass(frozen=True)
-class JobKeys:
-    job: str
+    def __new__(cls, name: str) -> "JobName":
+        return super().__new__(cls, check_job_name(name))
 
     def _k(self, name: str) -> str:
-        return f"{PREFIX}:{{{self.job}}}:{name}"
+        return f"{PREFIX}:{{{self}}}:{name}"
 
     @property
     def config(self) -> str:      # hash: params (JSON), status, gpus, nodes, dataset, created_at

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dflash_tasks.core.keys import check_node_name, parse_gpu
+from dflash_tasks.core.keys import GpuName, check_node_name
 
 
 class Settings(BaseSettings):
@@ -270,10 +270,10 @@ class Settings(BaseSettings):
         return (self.connect_timeout_s + self.request_timeout_s + self.retry_cap_s
                 + self.breaker_wait_s)
 
-    def sglang_url_for(self, gpu: str) -> str:
+    def sglang_url_for(self, gpu: GpuName) -> str:
         """The server of a GPU of this node, by its name ("gpu3@node-a")."""
-        index, _ = parse_gpu(gpu) or (0, "")
-        return self.sglang_url or f"http://{self.sglang_host}:{self.sglang_base_port + index}"
+        port = self.sglang_base_port + gpu.local_index
+        return self.sglang_url or f"http://{self.sglang_host}:{port}"
 
 
 @lru_cache(maxsize=1)

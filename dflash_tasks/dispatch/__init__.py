@@ -20,10 +20,8 @@ from dflash_tasks.core.keys import (
     GENERATE_TASK,
     WORKERS,
     WORKERS_SEEN,
-    JobKeys,
-    gpu_order,
-    parse_gpu,
-    queue_for,
+    GpuName,
+    JobName,
 )
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.dispatch import window as window_steps
@@ -33,27 +31,26 @@ UNACKED = "unacked"   # kombu's Redis transport: delivered, not yet acknowledged
 log = logging.getLogger(__name__)
 
 
-def registered_gpus(r: redis.Redis) -> list[str]:
+def registered_gpus(r: redis.Redis) -> list[GpuName]:
     """Every GPU whose worker ever registered (hooks.py), alive or not, by node and index."""
-    return sorted((name for raw in r.hkeys(WORKERS)
-                   if parse_gpu(name := raw.decode(errors="replace"))), key=gpu_order)
+    return GpuName.among(r.hkeys(WORKERS))
 
 
-def dispatched_gpus(r: redis.Redis, job: str) -> list[str]:
+def dispatched_gpus(r: redis.Redis, job: JobName) -> list[GpuName]:
     """Every GPU the job ever dispatched to (take.lua records them), by node and index."""
-    return sorted((g.decode(errors="replace") for g in r.smembers(JobKeys(job).gpus)), key=gpu_order)
+    return GpuName.among(r.smembers(job.gpus))
 
 
-def job_gpus(r: redis.Redis, job: jobs.Job) -> list[str]:
+def job_gpus(r: redis.Redis, job: jobs.Job) -> list[GpuName]:
     """The GPUs a job shows and looks after: those it ever dispatched to (where its prompts may
     be, whether it still uses them or not) and the registered ones its selection allows (where
     they may go)."""
     known = set(dispatched_gpus(r, job.name))
     known.update(g for g in registered_gpus(r) if job.selection.allows(g))
-    return sorted(known, key=gpu_order)
+    return sorted(known, key=GpuName.order)
 
 
-def serving_gpus(book: Ledger, s: Settings, job: jobs.Job) -> list[str]:
+def serving_gpus(book: Ledger, s: Settings, job: jobs.Job) -> list[GpuName]:
     """The GPUs that take the job's work now: allowed by its selection, their worker alive and
     its breaker closed (unavailable_gpus)."""
     allowed = [g for g in job_gpus(book.r, job) if job.selection.allows(g)]
@@ -72,9 +69,9 @@ def topup_all(app: Celery, book: Ledger, s: Settings, job: jobs.Job) -> int:
         return 0
     windows = {gpu: window_for(book.r, s, gpu) for gpu in gpus}
     pipe = book.r.pipeline(transaction=False)
-    pipe.llen(job.keys.pending)
+    pipe.llen(job.name.pending)
     for gpu in gpus:
-        pipe.zcard(job.keys.inflight(gpu))
+        pipe.zcard(job.name.inflight(gpu))
     pending, *busy = pipe.execute()
     room = {gpu: max(0, windows[gpu] - n) for gpu, n in zip(gpus, busy)}
     share = split(pending, room) if pending < sum(room.values()) else room
@@ -98,29 +95,29 @@ def split(n: int, capacity: dict[str, int]) -> dict[str, int]:
     return share
 
 
-def worker_concurrency(r: redis.Redis, s: Settings, gpu: str) -> int:
+def worker_concurrency(r: redis.Redis, s: Settings, gpu: GpuName) -> int:
     """The concurrency the GPU's worker registered at start-up (one HGET: a refill follows a
     request of seconds, and a worker restarted with another concurrency counts at once)."""
-    raw = r.hget(WORKERS, queue_for(gpu))
+    raw = r.hget(WORKERS, gpu)
     return json.loads(raw)["concurrency"] if raw else s.default_concurrency
 
 
-def window_for(r: redis.Redis, s: Settings, gpu: str, concurrency: int | None = None) -> int:
+def window_for(r: redis.Redis, s: Settings, gpu: GpuName, concurrency: int | None = None) -> int:
     """The GPU's window: its worker's concurrency (`concurrency` when the caller knows it, else
     the registered one) times DFLASH_WINDOW_FACTOR."""
     return max(1, math.ceil((concurrency or worker_concurrency(r, s, gpu)) * s.window_factor))
 
 
-def publish(app: Celery, job: str, gpu: str, prompt_ids: list[str]) -> None:
+def publish(app: Celery, job: JobName, gpu: GpuName, prompt_ids: list[str]) -> None:
     if not prompt_ids:
         return
     with app.producer_or_acquire() as producer:
         for prompt_id in prompt_ids:
-            app.send_task(GENERATE_TASK, args=(job, prompt_id, gpu), queue=queue_for(gpu),
+            app.send_task(GENERATE_TASK, args=(job, prompt_id, gpu), queue=gpu,
                           producer=producer, ignore_result=True)  # the message's word wins
 
 
-def topup(app: Celery, book: Ledger, s: Settings, job: str, gpu: str,
+def topup(app: Celery, book: Ledger, s: Settings, job: JobName, gpu: GpuName,
           concurrency: int | None = None, target: int | None = None) -> int:
     """Fill gpu's window for job from pending, if the job's selection allows the GPU; returns
     how many tasks were published.
@@ -147,17 +144,17 @@ def _origin() -> str:
     return anon_nodename()
 
 
-def withdraw_cancelled(book: Ledger, name: str) -> int:
+def withdraw_cancelled(book: Ledger, name: JobName) -> int:
     """What follows a job's move to cancelled (after it: take.lua dispatches nothing from then
     on): its messages still queued are withdrawn, requests already running finish and are kept.
     The prompts not generated stay in the job, counted in its total, so `resume` finishes them
     all. Returns how many wait."""
     for gpu in dispatched_gpus(book.r, name):
         withdraw(book, name, gpu, everything=False)
-    return int(book.r.llen(JobKeys(name).pending))
+    return int(book.r.llen(name.pending))
 
 
-def withdraw(book: Ledger, job: str, gpu: str, *, everything: bool) -> int:
+def withdraw(book: Ledger, job: JobName, gpu: GpuName, *, everything: bool) -> int:
     """Remove `job`'s queued messages from `gpu`'s queue and put their prompts back in front of
     pending; with `everything` (a GPU the job no longer uses), also the prompts whose messages a
     worker already holds. Requests already running finish either way (the ledger keeps one row).
@@ -167,10 +164,11 @@ def withdraw(book: Ledger, job: str, gpu: str, *, everything: bool) -> int:
     return back + (window_steps.recall(book.r, job, gpu) if everything else 0)
 
 
-def _remove_queued(r: redis.Redis, job: str, gpu: str, only: set[str] | None = None) -> list[str]:
+def _remove_queued(r: redis.Redis, job: JobName, gpu: GpuName,
+                   only: set[str] | None = None) -> list[str]:
     """Take `job`'s messages (those of the ids in `only`, if given) out of `gpu`'s queue; returns
     the ids whose message this call removed (a worker may pop one first)."""
-    queue = queue_for(gpu)
+    queue = gpu
     removed = []
     for raw in r.lrange(queue, 0, -1):
         job_of, prompt_id = _job_and_id(raw)
@@ -179,7 +177,7 @@ def _remove_queued(r: redis.Redis, job: str, gpu: str, only: set[str] | None = N
     return removed
 
 
-def reap(app: Celery, book: Ledger, s: Settings, job: str, gpu: str,
+def reap(app: Celery, book: Ledger, s: Settings, job: JobName, gpu: GpuName,
          unacked: "UnackedLook | None" = None) -> int:
     """Dispatch again the prompts in flight on `gpu` whose message is gone; returns how many.
 
@@ -191,7 +189,7 @@ def reap(app: Celery, book: Ledger, s: Settings, job: str, gpu: str,
     after it took the ids. A copy that still exists somewhere is harmless: the ledger counts a
     prompt once."""
     r = book.r
-    key = JobKeys(job).inflight(gpu)
+    key = job.inflight(gpu)
     now = time.time()
     stale = {m.decode() for m in r.zrangebyscore(key, "-inf", now - s.reap_after_s, start=0,
                                                  num=10_000)}
@@ -206,11 +204,11 @@ def reap(app: Celery, book: Ledger, s: Settings, job: str, gpu: str,
     return len(again)
 
 
-def find_lost(r: redis.Redis, job: str, gpu: str, grace_s: float,
+def find_lost(r: redis.Redis, job: JobName, gpu: GpuName, grace_s: float,
               unacked: "UnackedLook") -> set[str]:
     """Ids in flight on `gpu` for `grace_s` or more whose task message is neither in the GPU's
     queue nor unacknowledged in any worker (ETA retries included), on two looks."""
-    key = JobKeys(job).inflight(gpu)
+    key = job.inflight(gpu)
     cutoff = time.time() - grace_s
     old = {m.decode() for m in r.zrangebyscore(key, "-inf", cutoff, start=0, num=10_000)}
     if not old:
@@ -241,9 +239,10 @@ class UnackedLook:
         return self._ids
 
 
-def messages_present(r: redis.Redis, job: str, gpu: str, unacked: set[tuple[str, str]]) -> set[str]:
+def messages_present(r: redis.Redis, job: JobName, gpu: GpuName,
+                     unacked: set[tuple[str, str]]) -> set[str]:
     """Prompt ids of `job` with a generate message in the GPU's queue or among `unacked`."""
-    present = {pid for j, pid in map(_job_and_id, r.lrange(queue_for(gpu), 0, -1)) if j == job}
+    present = {pid for j, pid in map(_job_and_id, r.lrange(gpu, 0, -1)) if j == job}
     return present | {pid for j, pid in unacked if j == job}
 
 
@@ -301,7 +300,7 @@ class Unavailable:
     older_than_s: float
 
 
-def unavailable_gpus(r: redis.Redis, gpus: list[str], s: Settings) -> dict[str, Unavailable]:
+def unavailable_gpus(r: redis.Redis, gpus: list[GpuName], s: Settings) -> dict[str, Unavailable]:
     """The GPUs among `gpus` that take no work, and since when their prompts go elsewhere:
     - a worker gone: no heartbeat (heartbeat.py) for `worker_gone_after_s` (killed, its node
       lost: a restart may yet come back to its queue), its prompts dispatched before then; one
@@ -312,7 +311,7 @@ def unavailable_gpus(r: redis.Redis, gpus: list[str], s: Settings) -> dict[str, 
       `breaker_handover_s`. Its messages held meanwhile are skipped when they run."""
     seconds, micros = r.time()
     now = seconds + micros / 1e6
-    names = [queue_for(g) for g in gpus]
+    names = [g for g in gpus]
     stamps = r.hmget(WORKERS_SEEN, names) if gpus else []
     breakers = r.hmget(BREAKERS, names) if gpus else []
     out: dict[str, Unavailable] = {}
@@ -340,13 +339,13 @@ def _open_breaker(raw: bytes | None) -> tuple[str, float, str] | None:
     return str(b.get("kind", "transient")), float(b.get("opened_at") or 0), str(b.get("last_error", ""))[:300]
 
 
-def drain_gone(book: Ledger, job: str, gpu: str, older_than_s: float) -> int:
+def drain_gone(book: Ledger, job: JobName, gpu: GpuName, older_than_s: float) -> int:
     """A GPU that takes no work (unavailable_gpus says so, and says `older_than_s`): put the
     prompts dispatched to it more than `older_than_s` ago back in front of pending, withdrawing
     their queued messages, so the job's other GPUs generate them. A message its worker still
     held comes back with it (or wakes from the breaker's wait), finds its prompt no longer in
     flight there, and is skipped. Returns how many went back."""
-    key = JobKeys(job).inflight(gpu)
+    key = job.inflight(gpu)
     old = {m.decode() for m in book.r.zrangebyscore(key, "-inf", time.time() - older_than_s)}
     if not old:
         return 0

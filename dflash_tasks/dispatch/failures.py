@@ -27,7 +27,7 @@ from celery import Celery
 
 from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import BREAKERS, JobKeys
+from dflash_tasks.core.keys import BREAKERS, GpuName, JobName
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger import Ledger
 from dflash_tasks.sglang import PERMANENT_REASONS, TRANSIENT_REASONS
@@ -43,7 +43,7 @@ def record_class(record: dict) -> str:
         else "permanent"
 
 
-def matches(record: dict, reason: str | None, gpu: str | None) -> bool:
+def matches(record: dict, reason: str | None, gpu: GpuName | None) -> bool:
     if gpu is not None and str(record.get("gpu")) != gpu:
         return False
     if reason is None:
@@ -51,7 +51,7 @@ def matches(record: dict, reason: str | None, gpu: str | None) -> bool:
     return reason in (record.get("reason"), record_class(record))
 
 
-def read(book: Ledger, job: str) -> list[tuple[str, str, dict]]:
+def read(book: Ledger, job: JobName) -> list[tuple[str, str, dict]]:
     """Every registry entry as (id, raw JSON, parsed record with `failures` added)."""
     entries = []
     for prompt_id, raw in book.failed_records(job):
@@ -62,13 +62,13 @@ def read(book: Ledger, job: str) -> list[tuple[str, str, dict]]:
         record.setdefault("id", prompt_id)
         entries.append((prompt_id, raw, record))
     if entries:
-        times = book.r.hmget(JobKeys(job).failures, [e[0] for e in entries])
+        times = book.r.hmget(job.failures, [e[0] for e in entries])
         for (_, _, record), n in zip(entries, times):
             record["failures"] = int(n) if n else 1
     return entries
 
 
-def summary(book: Ledger, job: str) -> dict:
+def summary(book: Ledger, job: JobName) -> dict:
     """The registry grouped by reason, plus the retry counters and the breakers' states."""
     entries = read(book, job)
     groups: dict[str, list[dict]] = defaultdict(list)
@@ -127,8 +127,8 @@ class RetryReport:
                 "status": self.status, "skipped_permanent": self.skipped_permanent}
 
 
-def retry_failed(app: Celery, book: Ledger, s: Settings, job: str, *, reason: str | None = None,
-                 gpu: str | None = None, dry_run: bool = False,
+def retry_failed(app: Celery, book: Ledger, s: Settings, job: JobName, *, reason: str | None = None,
+                 gpu: GpuName | None = None, dry_run: bool = False,
                  include_permanent: bool = False) -> RetryReport:
     r = book.r
     info = jobs.load(r, job)

@@ -25,14 +25,14 @@ import time
 
 import redis
 
-from dflash_tasks.core.keys import MEMORY_HOLD, JobKeys
+from dflash_tasks.core.keys import MEMORY_HOLD, JobName
 
 log = logging.getLogger(__name__)
 
 
-def hold_job(r: redis.Redis, job: str, reason: str, error: str) -> None:
+def hold_job(r: redis.Redis, job: JobName, reason: str, error: str) -> None:
     """Hold the job's dispatch (again: `since` keeps the first time), saying why."""
-    k = JobKeys(job).hold
+    k = job.hold
     pipe = r.pipeline()
     pipe.hsetnx(k, "since", time.time())
     pipe.hset(k, mapping={"reason": reason, "error": error[:1000]})
@@ -42,8 +42,8 @@ def hold_job(r: redis.Redis, job: str, reason: str, error: str) -> None:
                     "until it clears", job, reason, error[:1000])
 
 
-def release_job(r: redis.Redis, job: str) -> None:
-    k = JobKeys(job).hold
+def release_job(r: redis.Redis, job: JobName) -> None:
+    k = job.hold
     held = r.hgetall(k)
     if held and r.delete(k):
         since = float(held.get(b"since", time.time()))

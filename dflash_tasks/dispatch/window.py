@@ -16,8 +16,8 @@ from dflash_tasks.core.keys import (
     MIGRATIONS,
     WORKERS,
     WORKERS_SEEN,
-    JobKeys,
-    queue_for,
+    GpuName,
+    JobName,
 )
 from dflash_tasks.core.scripts import Script
 from dflash_tasks.core.settings import Settings
@@ -28,7 +28,7 @@ DROP_SETTLED = Script(__file__, "drop_settled")
 HAND_OVER = Script(__file__, "hand_over")
 
 
-def take(r: redis.Redis, s: Settings, job: str, gpu: str, window: int, *, task: str,
+def take(r: redis.Redis, s: Settings, job: JobName, gpu: GpuName, window: int, *, task: str,
          origin: str, reply_to: str) -> list[str]:
     """Top gpu's window up from pending and publish a `task` message per id taken onto its
     queue, in one call; at the end of the run, steal from the job's other GPUs (take.lua).
@@ -36,63 +36,61 @@ def take(r: redis.Redis, s: Settings, job: str, gpu: str, window: int, *, task: 
     job's batches can go nowhere, or Redis is near its maxmemory), nor, at the very end of the
     run, on a GPU measurably slower than others that are alive (a heartbeat within
     worker_gone_after_s) and will free a slot sooner. Returns the ids taken."""
-    k = JobKeys(job)
-    ids = TAKE(r, config=k.config, pending=k.pending, inflight=k.inflight(gpu), gpus=k.gpus,
-               queue=queue_for(gpu), hold=k.hold, memory_hold=MEMORY_HOLD, speed=k.speed,
-               seen=WORKERS_SEEN, workers=WORKERS, breakers=BREAKERS, migrating=k.migrating,
+    ids = TAKE(r, config=job.config, pending=job.pending, inflight=job.inflight(gpu), gpus=job.gpus,
+               queue=gpu, hold=job.hold, memory_hold=MEMORY_HOLD, speed=job.speed,
+               seen=WORKERS_SEEN, workers=WORKERS, breakers=BREAKERS, migrating=job.migrating,
                window=window, job=job, gpu=gpu, task=task, origin=origin, reply_to=reply_to,
-               inflight_prefix=k.inflight(""), alive_s=s.worker_gone_after_s,
-               migrations_prefix=MIGRATIONS, retrying_prefix=k.retrying(""),
+               inflight_prefix=job.inflight(""), alive_s=s.worker_gone_after_s,
+               migrations_prefix=MIGRATIONS, retrying_prefix=job.retrying(""),
                faster_ratio=s.endgame_faster_ratio, order_lapse_s=s.migration_order_lapse_s)
     return [_s(i) for i in ids]
 
 
-def recall(r: redis.Redis, job: str, gpu: str, ids: Sequence[str] = ()) -> int:
+def recall(r: redis.Redis, job: JobName, gpu: GpuName, ids: Sequence[str] = ()) -> int:
     """Put prompts in flight on `gpu` (`ids`, or all) back in front of pending (recall.lua)."""
-    k = JobKeys(job)
-    return int(RECALL(r, inflight=k.inflight(gpu), pending=k.pending, done=k.done, ids=ids))
+    return int(RECALL(r, inflight=job.inflight(gpu), pending=job.pending, done=job.done, ids=ids))
 
 
-def drop_settled(r: redis.Redis, job: str, gpu: str, prompt_id: str) -> bool:
+def drop_settled(r: redis.Redis, job: JobName, gpu: GpuName, prompt_id: str) -> bool:
     """Take a prompt that has its outcome (done, failed) or left the job out of gpu's in-flight
     set, checked in the same step (drop_settled.lua): one taken back and dispatched here again
     since the caller looked keeps its fresh entry. True when removed."""
-    k = JobKeys(job)
-    return bool(DROP_SETTLED(r, inflight=k.inflight(gpu), done=k.done, failed=k.failed,
-                             prompts=k.prompts, id=prompt_id))
+    return bool(DROP_SETTLED(r, inflight=job.inflight(gpu), done=job.done, failed=job.failed,
+                             prompts=job.prompts, id=prompt_id))
 
 
-def restamp_inflight(r: redis.Redis, job: str, gpu: str, ids: Sequence[str], at: float) -> None:
+def restamp_inflight(r: redis.Redis, job: JobName, gpu: GpuName, ids: Sequence[str],
+                     at: float) -> None:
     """Dispatched again now (the reaper): their in-flight time restarts; an id that left the
     set meanwhile (its outcome arrived) is not put back."""
     if ids:
-        r.zadd(JobKeys(job).inflight(gpu), {i: at for i in ids}, xx=True)
+        r.zadd(job.inflight(gpu), {i: at for i in ids}, xx=True)
 
 
 # -- a running generation moved to a faster GPU (the end game's last step) ------------------------
 
-def migration_target(r: redis.Redis, job: str, prompt_id: str, gpu: str) -> str | None:
+def migration_target(r: redis.Redis, job: JobName, prompt_id: str, gpu: GpuName) -> str | None:
     """The GPU take.lua ordered this prompt's generation on `gpu` moved to, if any."""
-    order = r.hget(JobKeys(job).migrating, prompt_id)
+    order = r.hget(job.migrating, prompt_id)
     if order is None:
         return None
     source, target, _ = order.decode().split(" ")
     return target if source == gpu else None
 
 
-def hand_over(r: redis.Redis, job: str, prompt_id: str, source: str, target: str | None,
+def hand_over(r: redis.Redis, job: JobName, prompt_id: str, source: str, target: str | None,
               entry: bytes, tokens: int) -> bool:
     """Move a generation aborted on `source` to `target` (None: the front of pending), its entry
     now the one that goes on from its partial output (hand_over.lua). False when the order
     changed or the prompt left `source` meanwhile (nothing moved)."""
-    k = JobKeys(job)
-    return bool(HAND_OVER(r, migrating=k.migrating, inflight_source=k.inflight(source),
-                          inflight_target=k.inflight(target or source), prompts=k.prompts,
-                          pending=k.pending, counters=k.counters, config=k.config, id=prompt_id,
-                          entry=entry, source=source, target=target or "", tokens=tokens))
+    return bool(HAND_OVER(r, migrating=job.migrating, inflight_source=job.inflight(source),
+                          inflight_target=job.inflight(target or source), prompts=job.prompts,
+                          pending=job.pending, counters=job.counters, config=job.config,
+                          id=prompt_id, entry=entry, source=source, target=target or "",
+                          tokens=tokens))
 
 
-def migrations(r: redis.Redis, gpu: str, timeout_s: float) -> tuple[str, str] | None:
+def migrations(r: redis.Redis, gpu: GpuName, timeout_s: float) -> tuple[str, str] | None:
     """The next (job, prompt id) whose generation on `gpu` is to be handed over, waiting up to
     timeout_s for one (take.lua pushes them)."""
     got = r.blpop([MIGRATIONS + gpu], timeout=timeout_s)

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Sequence
 
 import redis
 
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.ingest.prompts import Prompt
 from dflash_tasks.ledger import Ledger
 from dflash_tasks.ledger.messages import compress_many, messages_json
@@ -29,11 +29,10 @@ DEPTH = 2      # chunks encoded ahead of the one Redis is storing
 
 
 class PromptLoader:
-    def __init__(self, client: redis.Redis, book: Ledger, job: str, *, resume: bool,
+    def __init__(self, client: redis.Redis, book: Ledger, job: JobName, *, resume: bool,
                  store_bodies: Callable[[list[bytes]], list[bytes]] | None = None,
                  on_stored: Callable[[int], object] | None = None):
         self.r, self.book, self.job = client, book, job
-        self.keys = JobKeys(job)
         self.resume = resume
         self.store_bodies = store_bodies
         self.on_stored = on_stored  # told how many prompts each chunk added, once it is stored
@@ -72,6 +71,15 @@ class PromptLoader:
             self._thread.join()
         self._raise_if_failed()
         return self.added
+
+    def keep_read(self) -> None:
+        """Store the chunks already read, the dataset having failed further on (they are valid
+        prompts, and a new job runs from its first chunk); if they cannot be stored, as
+        abandon(): the dataset's error is the one the caller reports."""
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def abandon(self) -> None:
         """Stop after the chunk being sent, dropping the rest (the caller is failing anyway)."""

@@ -18,7 +18,7 @@ import redis
 
 from dflash_tasks.core.connections import redis_client
 from dflash_tasks.core.jobs import JobDeleted
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import GpuName, JobName
 from dflash_tasks.core.lifecycle import STATES
 from dflash_tasks.core.scripts import Script
 from dflash_tasks.core.settings import Settings, get_settings
@@ -87,7 +87,7 @@ class EndedRow:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    gpu: str
+    gpu: str  # the GPU the row was made on, as recorded
     # The row's stream entry id: in the stream until sealed, then in the batch whose first entry
     # is the last one at or before it (batches are consecutive runs of the stream).
     entry: str = ""
@@ -121,34 +121,31 @@ class Ledger:
 
     # -- enqueue ---------------------------------------------------------------------------------
 
-    def add_prompts(self, job: str, prompts: Sequence[tuple[str, str]]) -> int:
+    def add_prompts(self, job: JobName, prompts: Sequence[tuple[str, str]]) -> int:
         """Store (id, messages_json) pairs not seen before and queue them; returns how many.
         Raises JobDeleted when the job was deleted meanwhile (nothing is stored then)."""
-        k = JobKeys(job)
-        added = int(ADD_PROMPTS(self.r, prompts=k.prompts, pending=k.pending, done=k.done,
-                                counters=k.counters, config=k.config,
+        added = int(ADD_PROMPTS(self.r, prompts=job.prompts, pending=job.pending, done=job.done,
+                                counters=job.counters, config=job.config,
                                 items=[x for pair in prompts for x in pair]))
         if added < 0:
             raise JobDeleted(f"job {job} was deleted while its prompts were being stored")
         return added
 
-    def unknown_positions(self, job: str, ids: Sequence[str]) -> list[int]:
+    def unknown_positions(self, job: JobName, ids: Sequence[str]) -> list[int]:
         """The 0-based positions of the ids the job neither stores nor has done (a resumed
         enqueue sends only those prompts' messages)."""
-        k = JobKeys(job)
-        return [i - 1 for i in UNKNOWN_IDS(self.r, prompts=k.prompts, done=k.done, ids=ids)]
+        return [i - 1 for i in UNKNOWN_IDS(self.r, prompts=job.prompts, done=job.done, ids=ids)]
 
     # -- a prompt's task -------------------------------------------------------------------------
 
-    def task_state(self, job: str, prompt_id: str, gpu: str) -> TaskState:
-        k = JobKeys(job)
+    def task_state(self, job: JobName, prompt_id: str, gpu: GpuName) -> TaskState:
         pipe = self.r.pipeline(transaction=False)
-        pipe.hmget(k.config, "params", "bodies")
-        pipe.hget(k.prompts, prompt_id)
-        pipe.sismember(k.done, prompt_id)
-        pipe.hexists(k.failed, prompt_id)
-        pipe.zscore(k.inflight(gpu), prompt_id)
-        pipe.zrem(k.retrying(gpu), prompt_id)  # running now: its retry no longer waits
+        pipe.hmget(job.config, "params", "bodies")
+        pipe.hget(job.prompts, prompt_id)
+        pipe.sismember(job.done, prompt_id)
+        pipe.hexists(job.failed, prompt_id)
+        pipe.zscore(job.inflight(gpu), prompt_id)
+        pipe.zrem(job.retrying(gpu), prompt_id)  # running now: its retry no longer waits
         (params, location), entry, done, failed, here, _ = pipe.execute()
         flags = dict(params=json.loads(params) if params else None, done=bool(done),
                      failed=bool(failed), in_flight_here=here is not None)
@@ -163,49 +160,47 @@ class Ledger:
                              **flags)
         return TaskState(messages=decoded, bare_entry=entry or None, **flags)
 
-    def reopen(self, job: str, ended: EndedRow, entry: str | bytes, continued_tokens: int) -> bool:
+    def reopen(self, job: JobName, ended: EndedRow, entry: str | bytes,
+               continued_tokens: int) -> bool:
         """Take a done prompt back for regeneration (reopen.lua), `entry` becoming its stored
         prompt; False if it was not done, or (read from the index) its newest row is another."""
         return bool(self.reopen_many(job, [(ended, entry, continued_tokens)])[0])
 
-    def reopen_many(self, job: str,
+    def reopen_many(self, job: JobName,
                     items: Sequence[tuple[EndedRow, str | bytes, int]]) -> list[bool]:
         """reopen() of each (ended row, entry, continued tokens), in one round trip."""
-        k = JobKeys(job)
         pipe = self.r.pipeline(transaction=False)
         for ended, entry, continued_tokens in items:
             out = ended.completion_tokens
-            REOPEN(pipe, done=k.done, prompts=k.prompts, pending=k.pending, counters=k.counters,
-                   ended=k.ended(ended.finish_reason), config=k.config,
-                   superseding=k.superseding, id=ended.id, entry=entry,
+            REOPEN(pipe, done=job.done, prompts=job.prompts, pending=job.pending,
+                   counters=job.counters, ended=job.ended(ended.finish_reason), config=job.config,
+                   superseding=job.superseding, id=ended.id, entry=entry,
                    input_tokens=ended.prompt_tokens, output_tokens=out,
                    finish_reason=ended.finish_reason, gpu=ended.gpu,
                    hist_bucket=out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS,
                    continued_tokens=continued_tokens, indexed=ended.indexed, place=ended.entry)
         return [bool(done) for done in pipe.execute()]
 
-    def ended_count(self, job: str, reason: str) -> tuple[int, int]:
+    def ended_count(self, job: JobName, reason: str) -> tuple[int, int]:
         """(rows in the index of rows that ended `reason`, rows the counters say ended so), read
         together: equal when the index covers the job (complete.lua and reopen.lua change both
         in one step); fewer for a reason not indexed or a job begun before the index."""
-        k = JobKeys(job)
         pipe = self.r.pipeline(transaction=True)
-        pipe.hlen(k.ended(reason))
-        pipe.hget(k.counters, f"finish:{reason}")
+        pipe.hlen(job.ended(reason))
+        pipe.hget(job.counters, f"finish:{reason}")
         indexed, counted = pipe.execute()
         return int(indexed), int(counted or 0)
 
-    def ended_rows(self, job: str, reason: str, *, prompts: bool = True) -> Iterator[EndedRow]:
+    def ended_rows(self, job: JobName, reason: str, *, prompts: bool = True) -> Iterator[EndedRow]:
         """The rows that had ended `reason` when this began, from the index (not the rows): a
         row finished since (a prompt this regenerate took back, done again) is not given again.
         Without `prompts` their messages are left out (a continuation reads them from the row)."""
-        k = JobKeys(job)
         try:
-            last = self.r.xinfo_stream(k.output)["last-generated-id"]
+            last = self.r.xinfo_stream(job.output)["last-generated-id"]
         except redis.ResponseError:  # no stream: no row was ever finished
             return
         cutoff = entry_order(_s(last))
-        for prompt_id, raw in self.r.hscan_iter(k.ended(reason), count=500):
+        for prompt_id, raw in self.r.hscan_iter(job.ended(reason), count=500):
             head, _, prompt = raw.partition(b"\n")
             entry, prompt_tokens, completion_tokens, gpu = head.decode().split(" ")
             if entry_order(entry) <= cutoff:
@@ -214,13 +209,12 @@ class Ledger:
 
     # -- outcomes --------------------------------------------------------------------------------
 
-    def complete(self, job: str, prompt_id: str, gpu: str, row: dict, *,
+    def complete(self, job: JobName, prompt_id: str, gpu: GpuName, row: dict, *,
                  bare_entry: bytes | None = None, rate_bucket_s: int = 10) -> bool:
         """Record a finished row exactly once. False when it was a duplicate delivery. A
         recalled prompt waiting in pending or on another of the job's GPUs is taken out there.
         `bare_entry` (TaskState's): the prompt's `prompts` entry as the task read it, which the
         index of rows by finish reason keeps instead of the row's messages encoded again."""
-        k = JobKeys(job)
         meta = row["metadata"]
         out = int(meta["completion_tokens"])
         reason = meta["finish_reason"]
@@ -237,15 +231,15 @@ class Ledger:
         made = out - int(meta.get("continued_tokens") or 0)
         speed = f"{made / latency:.1f}" if made >= SPEED_MIN_TOKENS and latency > 0 else ""
         named = dict(
-            done=k.done, inflight=k.inflight(gpu), prompts=k.prompts, failed=k.failed,
-            counters=k.counters, rate=k.rate, output=k.output, pending=k.pending,
-            config=k.config, gpus=k.gpus, ended=k.ended(reason), speed=k.speed,
-            superseding=k.superseding, superseded=k.superseded, id=prompt_id,
+            done=job.done, inflight=job.inflight(gpu), prompts=job.prompts, failed=job.failed,
+            counters=job.counters, rate=job.rate, output=job.output, pending=job.pending,
+            config=job.config, gpus=job.gpus, ended=job.ended(reason), speed=job.speed,
+            superseding=job.superseding, superseded=job.superseded, id=prompt_id,
             row=json.dumps(row, ensure_ascii=False, separators=(",", ":")),
             input_tokens=int(meta["prompt_tokens"]), output_tokens=out, finish_reason=reason,
             gpu=gpu, rate_bucket_s=rate_bucket_s,
             hist_bucket=out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS,
-            inflight_prefix=k.inflight(""), prompt=prompt, tokens_per_s=speed,
+            inflight_prefix=job.inflight(""), prompt=prompt, tokens_per_s=speed,
             speed_weight=self.speed_weight)
         if not self.wait_replicas:
             return bool(COMPLETE(self.r, **named))
@@ -258,42 +252,39 @@ class Ledger:
         self._check_replicas(replicas, f"prompt {prompt_id}'s row")
         return bool(recorded)
 
-    def fail(self, job: str, prompt_id: str, gpu: str, record: dict) -> bool:
+    def fail(self, job: JobName, prompt_id: str, gpu: GpuName, record: dict) -> bool:
         """Enter a prompt in the failed registry. False when it was done or already failed."""
-        k = JobKeys(job)
-        return bool(FAIL(self.r, done=k.done, inflight=k.inflight(gpu), failed=k.failed,
-                         counters=k.counters, failures=k.failures, pending=k.pending,
-                         config=k.config, gpus=k.gpus, id=prompt_id,
+        return bool(FAIL(self.r, done=job.done, inflight=job.inflight(gpu), failed=job.failed,
+                         counters=job.counters, failures=job.failures, pending=job.pending,
+                         config=job.config, gpus=job.gpus, id=prompt_id,
                          record=json.dumps(record, ensure_ascii=False), gpu=gpu,
-                         inflight_prefix=k.inflight("")))
+                         inflight_prefix=job.inflight("")))
 
-    def note_retry(self, job: str, prompt_id: str, gpu: str, reason: str, due: float) -> bool:
+    def note_retry(self, job: JobName, prompt_id: str, gpu: GpuName, reason: str,
+                   due: float) -> bool:
         """Count a retry, refresh the prompt's in-flight mark and record it as waiting until
         `due` (Unix time). False when it is already done."""
-        k = JobKeys(job)
-        return bool(RETRY(self.r, done=k.done, inflight=k.inflight(gpu), counters=k.counters,
-                          config=k.config, retrying=k.retrying(gpu), id=prompt_id, reason=reason,
-                          gpu=gpu, due=due))
+        return bool(RETRY(self.r, done=job.done, inflight=job.inflight(gpu), counters=job.counters,
+                          config=job.config, retrying=job.retrying(gpu), id=prompt_id,
+                          reason=reason, gpu=gpu, due=due))
 
-    def requeue_failed(self, job: str, records: Sequence[tuple[str, str]]) -> tuple[int, int]:
+    def requeue_failed(self, job: JobName, records: Sequence[tuple[str, str]]) -> tuple[int, int]:
         """Move failed prompts, given as (id, registry record exactly as read), back to the
         front of pending. Returns (moved, missing); see requeue_failed.lua."""
-        k = JobKeys(job)
-        moved, missing = REQUEUE_FAILED(self.r, config=k.config, failed=k.failed,
-                                        pending=k.pending, done=k.done, prompts=k.prompts,
-                                        counters=k.counters,
+        moved, missing = REQUEUE_FAILED(self.r, config=job.config, failed=job.failed,
+                                        pending=job.pending, done=job.done, prompts=job.prompts,
+                                        counters=job.counters,
                                         items=[x for pair in records for x in pair])
         return int(moved), int(missing)
 
-    def finish(self, job: str) -> str:
+    def finish(self, job: JobName) -> str:
         """Mark a running job done if, in this very step, every prompt has its outcome and
         nothing waits anywhere (finish.lua). Returns "done", or what still holds it."""
-        k = JobKeys(job)
-        return _s(FINISH(self.r, config=k.config, counters=k.counters, pending=k.pending,
-                         output=k.output, sealing=k.sealing, gpus=k.gpus,
-                         inflight_prefix=k.inflight("")))
+        return _s(FINISH(self.r, config=job.config, counters=job.counters, pending=job.pending,
+                         output=job.output, sealing=job.sealing, gpus=job.gpus,
+                         inflight_prefix=job.inflight("")))
 
-    def transition(self, job: str, expect: str, status: str) -> bool:
+    def transition(self, job: JobName, expect: str, status: str) -> bool:
         """Set the job's status to `status` only if it is still `expect`: a command checked
         against the state it read never overwrites a change made since (a pause racing beat's
         done, an enqueue). False when it changed; nothing is written then."""
@@ -301,7 +292,7 @@ class Ledger:
             raise ValueError(f"unknown status {status!r}; one of {', '.join(STATES)}")
         return not self.update_job(job, {"status": [expect]}, {"status": status})
 
-    def update_job(self, job: str, expect: dict[str, Iterable[str]],
+    def update_job(self, job: JobName, expect: dict[str, Iterable[str]],
                    changes: dict[str, str]) -> dict[str, str]:
         """Write `changes` into the job's config only if each field in `expect` still holds one
         of its values ("" for absent), in one step (update_job.lua). Returns {} when written,
@@ -311,26 +302,26 @@ class Ledger:
             fields += [field, json.dumps(list(allowed))]
         for field, value in changes.items():
             fields += [field, value]
-        wrong = UPDATE_JOB(self.r, config=JobKeys(job).config, checked=len(expect), fields=fields)
+        wrong = UPDATE_JOB(self.r, config=job.config, checked=len(expect), fields=fields)
         return {_s(wrong[i]): _s(wrong[i + 1]) for i in range(0, len(wrong), 2)}
 
-    def failed_records(self, job: str) -> Iterable[tuple[str, str]]:
+    def failed_records(self, job: JobName) -> Iterable[tuple[str, str]]:
         """(id, raw record JSON) for every prompt in the failed registry, by HSCAN."""
-        for prompt_id, raw in self.r.hscan_iter(JobKeys(job).failed, count=1000):
+        for prompt_id, raw in self.r.hscan_iter(job.failed, count=1000):
             yield _s(prompt_id), _s(raw)
 
-    def replicate_sealing(self, job: str, intent: str) -> None:
+    def replicate_sealing(self, job: JobName, intent: str) -> None:
         """Before a batch ships, with wait_replicas: wait until the replicas have every write so
         far, the batch's rows among them (beat may have read a row before its task's WAIT). The
         intent is written again, unchanged, because WAIT counts its own connection's writes."""
         if not self.wait_replicas:
             return
         pipe = self.r.pipeline(transaction=False)
-        pipe.set(JobKeys(job).sealing, intent, xx=True)
+        pipe.set(job.sealing, intent, xx=True)
         pipe.wait(self.wait_replicas, self.wait_timeout_ms)
         self._check_replicas(pipe.execute()[-1], f"job {job}'s batch")
 
-    def replicated(self, job: str, what: str) -> bool:
+    def replicated(self, job: JobName, what: str) -> bool:
         """With wait_replicas: whether the replicas have every write made so far (one write on
         this connection, then WAIT: replication is ordered, so it covers every earlier write of
         any connection). True without wait_replicas. A local file whose only other record is
@@ -338,7 +329,7 @@ class Ledger:
         if not self.wait_replicas:
             return True
         pipe = self.r.pipeline(transaction=False)
-        pipe.hincrby(JobKeys(job).counters, "spooled", 0)  # a write, changing nothing
+        pipe.hincrby(job.counters, "spooled", 0)  # a write, changing nothing
         pipe.wait(self.wait_replicas, self.wait_timeout_ms)
         replicas = pipe.execute()[-1]
         self._check_replicas(replicas, what)
@@ -359,8 +350,8 @@ class Ledger:
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def counters(self, job: str) -> dict[str, int]:
-        raw = self.r.hgetall(JobKeys(job).counters)
+    def counters(self, job: JobName) -> dict[str, int]:
+        raw = self.r.hgetall(job.counters)
         return {_s(k): int(v) for k, v in raw.items()}
 
 

@@ -51,7 +51,7 @@ from typing import Callable, Iterator
 import redis
 import zstandard
 
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.locks import HeldLock
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger import Ledger, entry_order
@@ -148,20 +148,19 @@ class BatchWriter:
         # to the spool instead), for the tick to show; None when the storage took everything.
         self.storage_failure: StorageError | None = None
 
-    def flush(self, job: str, *, final: bool = False) -> list[str]:
+    def flush(self, job: JobName, *, final: bool = False) -> list[str]:
         """Seal every full batch (every batch at all when final); returns the names written
         (to the storage or the spool: their rows left Redis). Holds the job's flush lock, so two
         beats never seal at the same time. Raises StorageError (OSError from a local directory)
         when a batch can go nowhere; what was not sealed waits for the next call."""
-        k = JobKeys(job)
-        lock = HeldLock(self.r, k.flush_lock, self.lock_ttl_s)
+        lock = HeldLock(self.r, job.flush_lock, self.lock_ttl_s)
         if not lock.acquire():
             return []
         with lock:
             self.storage_failure = None
             self._ship_spooled(job, lock)  # first: batches reach the storage in sealing order
             written = []
-            intent = self.r.get(k.sealing)
+            intent = self.r.get(job.sealing)
             if intent:  # a previous tick died or failed mid-batch: finish exactly that batch
                 written.append(self._seal(job, json.loads(intent), intent.decode(), lock))
             waiting = self._rows(job)
@@ -170,20 +169,19 @@ class BatchWriter:
                 first, last = entries[0][0].decode(), entries[-1][0].decode()
                 intent = {"name": batch_name(first), "first": first, "last": last}
                 raw = json.dumps(intent)
-                if not self.r.set(k.sealing, raw, nx=True):
+                if not self.r.set(job.sealing, raw, nx=True):
                     log.warning("job %s: another writer's intent appeared; stopping", job)
                     break
                 written.append(self._seal(job, intent, raw, lock, entries))
             return written
 
-    def _ready(self, job: str, final: bool) -> bool:
+    def _ready(self, job: JobName, final: bool) -> bool:
         """Whether a batch is to be sealed now: rows wait and they fill a batch (by count or by
         bytes), or the oldest is max_age_s old, or this is the final flush. Counters and ids
         only, in one transaction."""
-        k = JobKeys(job)
         pipe = self.r.pipeline(transaction=True)
-        pipe.xlen(k.output)
-        pipe.hmget(k.counters, "unsealed_bytes", "unsealed_since_ms")
+        pipe.xlen(job.output)
+        pipe.hmget(job.counters, "unsealed_bytes", "unsealed_since_ms")
         pipe.time()
         rows, (size, since_ms), (seconds, micros) = pipe.execute()
         if not rows:
@@ -194,10 +192,10 @@ class BatchWriter:
         return since_ms is None or \
             seconds + micros / 1e6 - int(since_ms) / 1000 >= self.policy.max_age_s
 
-    def _rows(self, job: str) -> Iterator[tuple[bytes, dict]]:
+    def _rows(self, job: JobName) -> Iterator[tuple[bytes, dict]]:
         """The stream's entries, oldest first, read a page at a time as batches take them: what
         one batch leaves of its last page is the next batch's beginning, not read again."""
-        key, after, page = JobKeys(job).output, "-", min(PAGE_ROWS, self.policy.rows)
+        key, after, page = job.output, "-", min(PAGE_ROWS, self.policy.rows)
         while entries := self.r.xrange(key, min=after, count=page):
             yield from entries
             after = "(" + entries[-1][0].decode()
@@ -212,15 +210,14 @@ class BatchWriter:
                 break
         return entries
 
-    def _seal(self, job: str, intent: dict, raw_intent: str, lock: HeldLock,
+    def _seal(self, job: JobName, intent: dict, raw_intent: str, lock: HeldLock,
               entries: list[tuple[bytes, dict]] | None = None) -> str:
         """Ship the intent's batch: its `entries` as just read, or (finishing an earlier tick's
         batch) the rows the intent names."""
-        k = JobKeys(job)
         name = intent["name"]
         if entries is None:
-            entries = self.r.xrange(k.output, min=intent["first"], max=intent["last"])
-        raw = self.r.hget(k.manifest, name)
+            entries = self.r.xrange(job.output, min=intent["first"], max=intent["last"])
+        raw = self.r.hget(job.manifest, name)
         record = json.loads(raw) if raw else None
         if entries and record is None:
             data, record, stats, rows = self._build(job, name, [f[b"row"] for _, f in entries])
@@ -250,7 +247,8 @@ class BatchWriter:
         sealing.clear_sealing(self.r, job, raw_intent)
         return name
 
-    def _build(self, job: str, name: str, rows: list[bytes]) -> tuple[bytes, dict, dict, list[dict]]:
+    def _build(self, job: JobName, name: str,
+               rows: list[bytes]) -> tuple[bytes, dict, dict, list[dict]]:
         """The batch file, its manifest record, the counters it adds (once, on record), and its
         rows parsed."""
         data = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(b"\n".join(rows) + b"\n")
@@ -277,7 +275,7 @@ class BatchWriter:
             stats["s3_bytes"] = len(data)
         return data, record, stats, parsed
 
-    def _store(self, job: str, record: dict, stats: dict[str, int],
+    def _store(self, job: JobName, record: dict, stats: dict[str, int],
                data: bytes) -> tuple[dict, dict[str, int]]:
         """Put the batch in the storage or, when the storage fails (or failed earlier in this
         flush, or spooled batches still wait: order), in the spool. Returns the manifest record
@@ -301,22 +299,21 @@ class BatchWriter:
         stats.update(spooled=1, spooled_bytes=record["bytes"])
         return {**record, "location": SPOOLED, "spool": str(path)}, stats
 
-    def _ship_spooled(self, job: str, lock: HeldLock) -> None:
+    def _ship_spooled(self, job: JobName, lock: HeldLock) -> None:
         """Upload the job's spooled batches, oldest first, until the storage fails (then they
         and every batch sealed after them wait in the spool: the next flush goes on)."""
         if self.spool is None:
             return
-        k = JobKeys(job)
         names = self.spool.names(job)
         if not names:
-            if int(self.r.hget(k.counters, "spooled") or 0) > 0:  # rows nowhere beat can see
+            if int(self.r.hget(job.counters, "spooled") or 0) > 0:  # rows nowhere beat can see
                 self.storage_failure = StorageError(
                     f"job {job}: the manifest has batches in the spool, but {self.spool.root} "
                     f"holds none: is this beat on the machine (and disk) that spooled them?")
             return
         done: list[str] = []  # in the storage and recorded there: only the manifest and delete left
         for name in names:
-            raw = self.r.hget(k.manifest, name)
+            raw = self.r.hget(job.manifest, name)
             if raw is None:
                 continue  # spooled by a beat that died before recording it: its intent finishes it
             record = json.loads(raw)
@@ -349,7 +346,7 @@ class BatchWriter:
                 for name in done:
                     self.spool.discard(job, name)
 
-    def _write_manifest_or_note(self, job: str) -> bool:
+    def _write_manifest_or_note(self, job: JobName) -> bool:
         """manifest.json rewritten; with a spool, a storage failure is noted instead of raised
         (a later batch's rewrite, or the last one before the job is done, catches up)."""
         try:
@@ -361,13 +358,13 @@ class BatchWriter:
             self.storage_failure = exc
             return False
 
-    def manifest(self, job: str) -> dict:
+    def manifest(self, job: JobName) -> dict:
         """manifest.json: the batches in the storage (a spooled one is listed once it is there)."""
         records = sorted(stored_records(self.r, job), key=lambda rec: rec["name"])
         return {"job": job, "batches": records, "rows": sum(rec["rows"] for rec in records),
                 "bytes": sum(rec["bytes"] for rec in records)}
 
-    def write_manifest(self, job: str) -> None:
+    def write_manifest(self, job: JobName) -> None:
         """manifest.json, in parts, so that the bytes written for it over a run grow with the
         run, not with its square (a whole manifest rewritten after each of 10,000 batches was
         about 40 GB of PUTs): each run of MANIFEST_PART_BATCHES batches, in name order, becomes a
@@ -376,36 +373,35 @@ class BatchWriter:
         read_manifest assembles them. Batches reach the storage in name order (the spool keeps
         it), so a full part never changes."""
         m = self.manifest(job)
-        records, k = m["batches"], JobKeys(job)
+        records = m["batches"]
         full = len(records) // MANIFEST_PART_BATCHES
-        written = int(self.r.get(k.manifest_parts) or 0)
+        written = int(self.r.get(job.manifest_parts) or 0)
         for part in range(min(written, full), full):
             first = part * MANIFEST_PART_BATCHES
             self.storage.put(manifest_part_key(job, part + 1), json.dumps(
                 {"job": job, "part": part + 1,
                  "batches": records[first:first + MANIFEST_PART_BATCHES]}, indent=1).encode())
-            self.r.set(k.manifest_parts, part + 1)
+            self.r.set(job.manifest_parts, part + 1)
         self.storage.put(manifest_key(job), json.dumps(
             {**m, "part_size": MANIFEST_PART_BATCHES, "parts": full,
              "batches": records[full * MANIFEST_PART_BATCHES:]}, indent=1).encode())
 
-    def write_superseded(self, job: str) -> bool:
+    def write_superseded(self, job: JobName) -> bool:
         """<job>/superseded.json: per batch, the ids of its rows that a regenerate replaced
         since (reopen.lua records each old row's place), for readers that see only some batches
         and so cannot tell an old row from the newest (the torch dataset). Rewritten only when
         a row was superseded since the last write, once its batch is known (a row still in the
         stream waits for its batch); a regenerate is rare, so the writes are few. True when
         the object lists every superseded row."""
-        k = JobKeys(job)
         pipe = self.r.pipeline(transaction=False)
-        pipe.scard(k.superseded)
-        pipe.get(k.superseded_written)
+        pipe.scard(job.superseded)
+        pipe.get(job.superseded_written)
         count, written = pipe.execute()
         if count == int(written or 0):
             return True
         starts, records, waiting_from = _row_places(self.r, job)
         by_batch: dict[str, list[str]] = {}
-        for member in self.r.smembers(k.superseded):
+        for member in self.r.smembers(job.superseded):
             place, _, prompt_id = member.decode().partition(" ")
             at = entry_order(place)
             first = bisect_right(starts, at) - 1
@@ -417,14 +413,14 @@ class BatchWriter:
                 {"job": job, "rows": listed,
                  "superseded": {name: sorted(ids) for name, ids in sorted(by_batch.items())}},
                 indent=1).encode())
-            self.r.set(k.superseded_written, listed)
+            self.r.set(job.superseded_written, listed)
         return listed == count
 
 
-def stored_records(r: redis.Redis, job: str) -> list[dict]:
+def stored_records(r: redis.Redis, job: JobName) -> list[dict]:
     """The job's manifest records of the batches in the storage, not those waiting in the spool
     (a record without a location predates the spool: in the storage)."""
-    return [rec for v in r.hvals(JobKeys(job).manifest)
+    return [rec for v in r.hvals(job.manifest)
             if (rec := json.loads(v)).get("location") != SPOOLED]
 
 
@@ -479,7 +475,7 @@ class RowNotFound(LookupError):
     """A row is not where the ledger's index places it; the message names both."""
 
 
-def read_batch_anywhere(r: redis.Redis, storage: Storage, job: str, record: dict, *,
+def read_batch_anywhere(r: redis.Redis, storage: Storage, job: JobName, record: dict, *,
                         spool: Spool | None = None) -> list[dict]:
     """A recorded batch's rows wherever it is now: the storage, or beat's spool while the
     storage has not taken it yet (an S3 outage). Raises StorageError when it is in neither."""
@@ -491,7 +487,7 @@ def read_batch_anywhere(r: redis.Redis, storage: Storage, job: str, record: dict
             lines = verify_batch(spool.read(job, name), record, str(spool.path(job, name)))
             return [json.loads(line) for line in lines]
         except FileNotFoundError:
-            now = json.loads(r.hget(JobKeys(job).manifest, name) or "{}")
+            now = json.loads(r.hget(job.manifest, name) or "{}")
             if now.get("location", SPOOLED) != SPOOLED:  # shipped while this ran
                 return read_batch(storage, now)
     raise StorageError(f"batch {name} waits in beat's spool ({record.get('spool')}) until the "
@@ -500,14 +496,13 @@ def read_batch_anywhere(r: redis.Redis, storage: Storage, job: str, record: dict
                        "beat's machine, or once the storage has it")
 
 
-def rows_at(r: redis.Redis, storage: Storage, job: str, places: list[tuple[str, str]], *,
+def rows_at(r: redis.Redis, storage: Storage, job: JobName, places: list[tuple[str, str]], *,
             spool: Spool | None = None) -> Iterator[tuple[str, dict]]:
     """The rows at these (stream entry id, prompt id) places, as (prompt id, row), oldest first:
     each from the stream while it waits there, else from the batch that holds it, read once for
     every place in it (from the storage, or the spool). Batches are consecutive runs of the
     stream named by their first entry, so a place's batch is the last one starting at or before
     it: nothing else is read. Raises RowNotFound when a row is not where its place says."""
-    k = JobKeys(job)
     todo = sorted(places, key=lambda place: entry_order(place[0]))
     starts, records, waiting_from = _row_places(r, job)
     i = 0
@@ -515,7 +510,7 @@ def rows_at(r: redis.Redis, storage: Storage, job: str, places: list[tuple[str, 
         entry, prompt_id = todo[i]
         at = entry_order(entry)
         if waiting_from is not None and at >= waiting_from:
-            found = r.xrange(k.output, min=entry, max=entry)
+            found = r.xrange(job.output, min=entry, max=entry)
             if found:
                 yield prompt_id, json.loads(found[0][1][b"row"])
                 i += 1
@@ -544,13 +539,12 @@ def rows_at(r: redis.Redis, storage: Storage, job: str, places: list[tuple[str, 
 
 
 def _row_places(r: redis.Redis,
-                job: str) -> tuple[list[tuple[int, int]], list[dict], tuple[int, int] | None]:
+                job: JobName) -> tuple[list[tuple[int, int]], list[dict], tuple[int, int] | None]:
     """One look at where rows are: the recorded batches' first entries (sorted) and records,
     and the first entry still waiting in the stream (None: none waits)."""
-    k = JobKeys(job)
     pipe = r.pipeline(transaction=True)
-    pipe.hvals(k.manifest)
-    pipe.xrange(k.output, count=1)
+    pipe.hvals(job.manifest)
+    pipe.xrange(job.output, count=1)
     raw, waiting = pipe.execute()
     records = check_records(job, [json.loads(v) for v in raw], f"job {job}'s manifest in Redis")
     records.sort(key=lambda rec: batch_first(rec["name"]))
@@ -564,7 +558,7 @@ def batch_first(name: str) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
-def iter_newest_rows(r: redis.Redis, storage: Storage, job: str, *,
+def iter_newest_rows(r: redis.Redis, storage: Storage, job: JobName, *,
                      spool: Spool | None = None) -> Iterator[dict]:
     """Every id's newest row, newest first: the rows still in the stream, then the sealed
     batches from the last back (those in beat's spool from there, given the spool). A
@@ -574,21 +568,20 @@ def iter_newest_rows(r: redis.Redis, storage: Storage, job: str, *,
         yield row
 
 
-def iter_newest_placed(r: redis.Redis, storage: Storage, job: str, *,
+def iter_newest_placed(r: redis.Redis, storage: Storage, job: JobName, *,
                        spool: Spool | None = None) -> Iterator[tuple[str, dict]]:
     """iter_newest_rows with each row's place: its stream entry while it waits in the stream,
     else its batch's first entry (the ledger's index gives a row's place the same way)."""
     seen: set[str] = set()
-    k = JobKeys(job)
     last = "+"
-    while entries := r.xrevrange(k.output, max=last, count=1000):
+    while entries := r.xrevrange(job.output, max=last, count=1000):
         for entry_id, fields in entries:
             row = json.loads(fields[b"row"])
             if row["id"] not in seen:
                 seen.add(row["id"])
                 yield entry_id.decode(), row
         last = "(" + entries[-1][0].decode()
-    records = sorted((json.loads(v) for v in r.hvals(k.manifest)), key=lambda rec: rec["name"],
+    records = sorted((json.loads(v) for v in r.hvals(job.manifest)), key=lambda rec: rec["name"],
                      reverse=True)
     for record in records:
         place = "%d-%d" % batch_first(record["name"])

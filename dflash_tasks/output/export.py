@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from dflash_tasks.core import jobs
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.output.batches import (
     BadManifest,
     check_records,
@@ -31,7 +32,7 @@ class ExportError(RuntimeError):
 
 @dataclass
 class ExportReport:
-    job: str
+    job: JobName
     dest: Path
     batches: int = 0
     rows: int = 0
@@ -132,7 +133,8 @@ def export(storage: Storage, job: str, dest: Path, *, expected: int | None = Non
     return report
 
 
-def expected_completed(storage: Storage, job: str, r=None) -> tuple[int | None, str | None, str | None]:
+def expected_completed(storage: Storage, job: JobName,
+                       r=None) -> tuple[int | None, str | None, str | None]:
     """(completed, where that figure comes from, job status): the ledger in Redis when it
     knows the job, else the progress.json beside the batches."""
     if r is not None:
@@ -141,7 +143,7 @@ def expected_completed(storage: Storage, job: str, r=None) -> tuple[int | None, 
         except Exception:
             found = None
         if found is not None:
-            completed = int(r.hget(found.keys.counters, "completed") or 0)
+            completed = int(r.hget(job.counters, "completed") or 0)
             return completed, "the ledger in Redis", found.status
     progress = read_progress(storage, job)
     if progress is None or not isinstance(progress.get("completed"), int):

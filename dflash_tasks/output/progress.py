@@ -35,8 +35,8 @@ from dflash_tasks.core.keys import (
     SERVERS,
     WORKERS,
     WORKERS_SEEN,
-    JobKeys,
-    parse_gpu,
+    GpuName,
+    JobName,
 )
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger.histogram import length_percentile, nearest_rank
@@ -59,14 +59,14 @@ ALIASES = {
 
 # -- read ----------------------------------------------------------------------------------------
 
-def rate_series(gpus: list[str]) -> list[str]:
+def rate_series(gpus: list[GpuName]) -> list[str]:
     """The series complete.lua counts in the rate hash, each as "<series>:<bucket>": the job's
     completions ("c"), output tokens ("t") and input tokens ("i"), and per GPU its completions
     and output tokens ("<gpu>:c", "<gpu>:t")."""
     return ["c", "t", "i", *(f"{gpu}:{kind}" for gpu in gpus for kind in ("c", "t"))]
 
 
-def rate_fields(bucket: int, gpus: list[str]) -> list[str]:
+def rate_fields(bucket: int, gpus: list[GpuName]) -> list[str]:
     """Every field complete.lua writes into the rate hash for one bucket."""
     return [f"{series}:{bucket}" for series in rate_series(gpus)]
 
@@ -75,7 +75,7 @@ def rate_fields(bucket: int, gpus: list[str]) -> list[str]:
 class Reads:
     """Everything one snapshot reads, decoded, by name."""
     job: jobs.Job
-    gpus: list[str]                  # the job's GPUs (dispatch.job_gpus), by node and index
+    gpus: list[GpuName]                  # the job's GPUs (dispatch.job_gpus), by node and index
     now: float                       # Redis's clock, in seconds
     window_start: int                # the first rate bucket of the window
     window: dict[str, int]           # rate series (rate_series) -> its sum over the window
@@ -113,11 +113,10 @@ class _NamedMulti:
         return dict(zip(self._names, self._pipe.execute(), strict=True))
 
 
-def read(r: redis.Redis, name: str, s: Settings) -> Reads:
+def read(r: redis.Redis, name: JobName, s: Settings) -> Reads:
     job = jobs.load(r, name)
     if job is None:
         raise KeyError(f"no job named {name!r}")
-    k = job.keys
     seconds, micros = r.time()
     now = seconds + micros / 1e6
     window_start = now - s.rate_window_s
@@ -127,14 +126,14 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
     rate_keys = [f"{one}:{bucket}" for one in series for bucket in buckets]
 
     multi = _NamedMulti(r)
-    multi.named("counters").hgetall(k.counters)
-    multi.named("pending").llen(k.pending)
-    multi.named("unsealed").xlen(k.output)
-    multi.named("rate").hmget(k.rate, rate_keys)
+    multi.named("counters").hgetall(job.name.counters)
+    multi.named("pending").llen(job.name.pending)
+    multi.named("unsealed").xlen(job.name.output)
+    multi.named("rate").hmget(job.name.rate, rate_keys)
     multi.named("workers").hgetall(WORKERS)
-    multi.named("sealing").get(k.sealing)
-    multi.named("storage_error").hgetall(k.storage_error)
-    multi.named("hold").hgetall(k.hold)
+    multi.named("sealing").get(job.name.sealing)
+    multi.named("storage_error").hgetall(job.name.storage_error)
+    multi.named("hold").hgetall(job.name.hold)
     multi.named("memory_hold").get(MEMORY_HOLD)
     multi.named("heartbeats").hgetall(WORKERS_SEEN)
     multi.named("servers").hgetall(SERVERS)
@@ -145,10 +144,11 @@ def read(r: redis.Redis, name: str, s: Settings) -> Reads:
     # other count, so pending + in flight + waiting + completed + failed equals the total at that
     # instant, at the cost of the retries waiting, whatever the broker holds.
     for gpu in gpus:
-        multi.named(("in_flight", gpu)).zcard(k.inflight(gpu))
-        multi.named(("waiting", gpu)).zintercard(2, [k.inflight(gpu), k.retrying(gpu)])
+        multi.named(("in_flight", gpu)).zcard(job.name.inflight(gpu))
+        multi.named(("waiting", gpu)).zintercard(
+            2, [job.name.inflight(gpu), job.name.retrying(gpu)])
     # The quality monitor's figures (training/data/monitor.py writes the key) at its last tick.
-    multi.named("quality").get(k.quality("figures"))
+    multi.named("quality").get(job.name.quality("figures"))
     got = multi.execute()
 
     window = dict.fromkeys(series, 0)
@@ -217,7 +217,7 @@ def remaining(reads: Reads) -> int:
     return max(0, count(reads, "total") - count(reads, "completed") - count(reads, "failed"))
 
 
-def in_flight(reads: Reads, gpu: str) -> int:
+def in_flight(reads: Reads, gpu: GpuName) -> int:
     """Sent, or queued to be sent: the in-flight set less the retries waiting for their ETA."""
     return reads.in_flight_set[gpu] - reads.retry_waiting[gpu]
 
@@ -233,7 +233,7 @@ def latency_percentile_ms(reads: Reads, q: float) -> float | None:
     return round(latency_bucket_ms(bucket), 1) if bucket is not None else None
 
 
-def heartbeat_age_s(reads: Reads, gpu: str) -> float | None:
+def heartbeat_age_s(reads: Reads, gpu: GpuName) -> float | None:
     beat = reads.heartbeats.get(gpu)
     return round(reads.now - beat, 1) if beat is not None else None
 
@@ -258,7 +258,7 @@ def _aliased(fields: dict) -> dict:
     return out
 
 
-def gpu_state(reads: Reads, gpu: str, alive: bool) -> tuple[str, str | None]:
+def gpu_state(reads: Reads, gpu: GpuName, alive: bool) -> tuple[str, str | None]:
     """Whether the GPU takes work, and if not why: "serving"; "no_worker" (none registered, or
     stopped, or its heartbeat went silent); or its open breaker's kind (breaker.py: "transient",
     the server does not answer; "misconfigured"; "repeated_failure") with its last error."""
@@ -271,12 +271,12 @@ def gpu_state(reads: Reads, gpu: str, alive: bool) -> tuple[str, str | None]:
     return "serving", None
 
 
-def render_gpu(reads: Reads, gpu: str, s: Settings) -> dict:
+def render_gpu(reads: Reads, gpu: GpuName, s: Settings) -> dict:
     age = heartbeat_age_s(reads, gpu)
     alive = age is not None and age < ALIVE_PERIODS * s.worker_heartbeat_s
     state, why = gpu_state(reads, gpu, alive)
     return _aliased({
-        "node": (parse_gpu(gpu) or (0, None))[1],
+        "node": gpu.node,
         "state": state,
         "state_reason": why,
         "completed": count(reads, f"gpu:{gpu}:completed"),
@@ -379,18 +379,17 @@ def render(reads: Reads, s: Settings) -> dict:
     })
 
 
-def snapshot(r: redis.Redis, name: str, s: Settings) -> dict:
+def snapshot(r: redis.Redis, name: JobName, s: Settings) -> dict:
     return render(read(r, name, s), s)
 
 
-def sealing_counts(r: redis.Redis, name: str) -> dict[str, int]:
+def sealing_counts(r: redis.Redis, name: JobName) -> dict[str, int]:
     """What beat's sealing decides on, in one transaction: the prompts' outcomes against the
     total, pending, the rows waiting, the batches in the spool (snapshot's names)."""
-    k = JobKeys(name)
     pipe = r.pipeline(transaction=True)
-    pipe.hmget(k.counters, "total", "completed", "failed", "spooled")
-    pipe.llen(k.pending)
-    pipe.xlen(k.output)
+    pipe.hmget(name.counters, "total", "completed", "failed", "spooled")
+    pipe.llen(name.pending)
+    pipe.xlen(name.output)
     (total, completed, failed, spooled), pending, unsealed = pipe.execute()
     return {"total": int(total or 0), "completed": int(completed or 0), "failed": int(failed or 0),
             "spooled_batches": int(spooled or 0), "pending": pending, "unsealed_rows": unsealed}
@@ -428,14 +427,13 @@ def is_finished(snap: dict) -> bool:
             and snap.get("sealing_batch") is None and not snap.get("spooled_batches"))
 
 
-def prune_rate(r: redis.Redis, name: str, gpus: list[str], keep_s: float) -> int:
+def prune_rate(r: redis.Redis, name: JobName, gpus: list[GpuName], keep_s: float) -> int:
     """Delete the rate buckets older than keep_s, so the rate hash stays small in a run of
     days. Walks only the buckets since the last prune (idempotent: two beats may both run it)."""
-    k = JobKeys(name)
     seconds, _ = r.time()
     cutoff = int(seconds - keep_s)
     cutoff -= cutoff % RATE_BUCKET_S
-    start = r.hget(k.rate, "pruned_before") or r.hget(k.counters, "first_completed_at")
+    start = r.hget(name.rate, "pruned_before") or r.hget(name.counters, "first_completed_at")
     if start is None:
         return 0
     start = int(start) - int(start) % RATE_BUCKET_S
@@ -444,12 +442,12 @@ def prune_rate(r: redis.Redis, name: str, gpus: list[str], keep_s: float) -> int
     for bucket in range(start, cutoff, RATE_BUCKET_S):
         fields.extend(rate_fields(bucket, gpus))
         if len(fields) >= 2000:
-            deleted += r.hdel(k.rate, *fields)
+            deleted += r.hdel(name.rate, *fields)
             fields = []
     if fields:
-        deleted += r.hdel(k.rate, *fields)
+        deleted += r.hdel(name.rate, *fields)
     if cutoff > start:
-        r.hset(k.rate, "pruned_before", cutoff)
+        r.hset(name.rate, "pruned_before", cutoff)
     return deleted
 
 

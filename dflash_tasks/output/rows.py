@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 from dflash_tasks.core.jobs import GenerationParams
+from dflash_tasks.core.keys import GpuName
 from dflash_tasks.sglang import Completion, ServerContract
 
 
@@ -23,7 +24,7 @@ def status_for(finish_reason: str) -> str:
     return {"stop": "success", "length": "truncated"}.get(finish_reason, finish_reason)
 
 
-def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, gpu: str,
+def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, gpu: GpuName,
               params: GenerationParams, attempts: int, server: ServerContract) -> dict:
     row = {
         "id": prompt_id,

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import redis
 
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.scripts import Script
 
 RECORD_BATCH = Script(__file__, "record_batch")
@@ -31,32 +31,29 @@ def _increments(counts: dict[str, int] | None) -> list:
     return [x for field, inc in (counts or {}).items() for x in (field, int(inc))]
 
 
-def record_batch(r: redis.Redis, job: str, name: str, record: dict,
+def record_batch(r: redis.Redis, job: JobName, name: str, record: dict,
                  stats: dict[str, int] | None = None) -> bool:
     """Enter a batch in the manifest; `stats` (counter -> increment) is added with it, once."""
-    k = JobKeys(job)
-    return bool(RECORD_BATCH(r, manifest=k.manifest, counters=k.counters, name=name,
+    return bool(RECORD_BATCH(r, manifest=job.manifest, counters=job.counters, name=name,
                              record=json.dumps(record), bytes=record["bytes"],
                              increments=_increments(stats)))
 
 
-def ship_spooled(r: redis.Redis, job: str, name: str, spooled: str, shipped: str,
+def ship_spooled(r: redis.Redis, job: JobName, name: str, spooled: str, shipped: str,
                  counts: dict[str, int]) -> bool:
     """A spooled batch is in the storage now: its manifest record `spooled` (as read) becomes
     `shipped`, and `counts` are added, once (ship_spooled.lua)."""
-    k = JobKeys(job)
-    return bool(SHIP_SPOOLED(r, manifest=k.manifest, counters=k.counters, name=name,
+    return bool(SHIP_SPOOLED(r, manifest=job.manifest, counters=job.counters, name=name,
                              spooled=spooled, shipped=shipped, increments=_increments(counts)))
 
 
-def drop_sealed(r: redis.Redis, job: str, entry_ids: Sequence[bytes | str], nbytes: int) -> int:
+def drop_sealed(r: redis.Redis, job: JobName, entry_ids: Sequence[bytes | str], nbytes: int) -> int:
     """Remove a shipped batch's entries (their rows: `nbytes`, each with its newline) from the
     output stream, with their share of the unsealed counters (drop_sealed.lua)."""
-    k = JobKeys(job)
-    return int(DROP_SEALED(r, output=k.output, counters=k.counters, bytes=nbytes,
+    return int(DROP_SEALED(r, output=job.output, counters=job.counters, bytes=nbytes,
                            entries=entry_ids))
 
 
-def clear_sealing(r: redis.Redis, job: str, intent: str) -> bool:
+def clear_sealing(r: redis.Redis, job: JobName, intent: str) -> bool:
     """Clear the job's sealing intent if it is still `intent` (batches.py's last step)."""
-    return bool(CLEAR_SEALING(r, sealing=JobKeys(job).sealing, intent=intent))
+    return bool(CLEAR_SEALING(r, sealing=job.sealing, intent=intent))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dflash_tasks.core.keys import check_job_name
 from dflash_tasks.output.sealing import BATCH_NAME
 from dflash_tasks.output.storage import fsync_dir, write_whole
 
@@ -30,7 +29,7 @@ class Spool:
     def path(self, job: str, name: str) -> Path:
         if not BATCH_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not a batch name")
-        return self.root / check_job_name(job) / f"{name}{SUFFIX}"
+        return self.root / job / f"{name}{SUFFIX}"
 
     def write(self, job: str, name: str, data: bytes) -> Path:
         """The batch, durably on disk when this returns (file and directory fsync'd)."""
@@ -47,7 +46,7 @@ class Spool:
     def names(self, job: str) -> list[str]:
         """The job's spooled batches, oldest first (a name is its first row's stream id)."""
         try:
-            entries = os.listdir(self.root / check_job_name(job))
+            entries = os.listdir(self.root / job)
         except (FileNotFoundError, NotADirectoryError):  # nothing was ever spooled there
             return []
         return sorted(e[:-len(SUFFIX)] for e in entries
@@ -59,7 +58,7 @@ class Spool:
         for name in names:
             self.discard(job, name)
         try:
-            (self.root / check_job_name(job)).rmdir()
+            (self.root / job).rmdir()
         except OSError:  # not there, or something else in it: left as it is
             pass
         return len(names)

@@ -14,7 +14,7 @@ from typing import Iterable
 
 import redis
 
-from dflash_tasks.core.keys import JobKeys, gpu_order
+from dflash_tasks.core.keys import GpuName, JobName
 from dflash_tasks.ledger import HIST_BUCKET_TOKENS
 from dflash_tasks.ledger.histogram import bucket_value, length_percentile, rank
 from dflash_tasks.output.batches import iter_newest_rows
@@ -52,7 +52,7 @@ def histogram_percentiles(hist: dict[int, int], max_tokens: int | None) -> dict:
             "max": bucket_value(max(b for b, n in hist.items() if n > 0), max_tokens)}
 
 
-def sample_rows(r: redis.Redis, storage: Storage, job: str, n: int) -> list[dict]:
+def sample_rows(r: redis.Redis, storage: Storage, job: JobName, n: int) -> list[dict]:
     """Up to n of the newest rows, one per id (a regenerated prompt counts by its new row)."""
     return list(islice(iter_newest_rows(r, storage, job), n))
 
@@ -82,13 +82,13 @@ def _pct(part: int, whole: int) -> float:
     return round(100 * part / whole, 2) if whole else 0.0
 
 
-def job_stats(r: redis.Redis, storage: Storage, job: str, *, max_tokens: int | None,
+def job_stats(r: redis.Redis, storage: Storage, job: JobName, *, max_tokens: int | None,
               sample: int = 2000) -> dict:
-    raw = {k.decode(): int(v) for k, v in r.hgetall(JobKeys(job).counters).items()}
+    raw = {k.decode(): int(v) for k, v in r.hgetall(job.counters).items()}
     completed = raw.get("completed", 0)
     finish = {k.split(":", 1)[1]: v for k, v in raw.items() if k.startswith("finish:")}
     hist = {int(k.split(":", 1)[1]): v for k, v in raw.items() if k.startswith("hist:")}
-    gpus = sorted({k.split(":")[1] for k in raw if k.startswith("gpu:")}, key=gpu_order)
+    gpus = GpuName.among(k.split(":")[1] for k in raw if k.startswith("gpu:"))
 
     facts = [row_facts(row) for row in sample_rows(r, storage, job, sample)] if sample else []
     truncated = [f for f in facts if f["finish_reason"] == "length"]
@@ -114,7 +114,7 @@ def job_stats(r: redis.Redis, storage: Storage, job: str, *, max_tokens: int | N
             "empty_reasoning": sum(f["empty_reasoning"] for f in facts),
             "think_markers_in_content": sum(f["think_marker_in_content"] for f in facts),
             "per_gpu": {str(g): summary(f["output_tokens"] for f in facts if f["gpu"] == g)
-                        for g in sorted({f["gpu"] for f in facts}, key=lambda g: gpu_order(str(g)))},
+                        for g in GpuName.among(f["gpu"] for f in facts if f["gpu"])},
         },
     }
 
@@ -141,7 +141,7 @@ def plot_lengths(hist: dict[int, int], max_tokens: int | None, path: str) -> Non
     plt.close(fig)
 
 
-def counter_hist(r: redis.Redis, job: str) -> dict[int, int]:
-    raw = r.hgetall(JobKeys(job).counters)
+def counter_hist(r: redis.Redis, job: JobName) -> dict[int, int]:
+    raw = r.hgetall(job.counters)
     return {int(k.decode().split(":", 1)[1]): int(v) for k, v in raw.items() if k.startswith(b"hist:")}
 

@@ -9,6 +9,7 @@ not generated twice.
 from __future__ import annotations
 
 from dflash_tasks.core.jobs import GenerationParams
+from dflash_tasks.core.keys import GpuName
 from dflash_tasks.sglang import Completion, Generation, RequestAborted, SGLangClient
 
 THINK_END = "</think>"
@@ -79,7 +80,7 @@ def _joined(client: SGLangClient, cont: dict, g: Generation) -> Completion:
         worked=tuple(cont.get("gpus") or ()))
 
 
-def entry_from_partial(messages: list[dict], partial: Completion, gpu: str,
+def entry_from_partial(messages: list[dict], partial: Completion, gpu: GpuName,
                        enable_thinking: bool) -> dict:
     """The prompt entry that moves a generation aborted on `gpu` to another GPU: what it had
     generated there (its exact ids, its texts) to go on from, and which GPUs made how much."""

@@ -13,7 +13,7 @@ import redis
 from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
 from dflash_tasks.core.connections import redis_client
-from dflash_tasks.core.keys import BEAT_SEEN, MAINTAIN_TASK, TICK_TASK, JobKeys
+from dflash_tasks.core.keys import BEAT_SEEN, MAINTAIN_TASK, TICK_TASK, JobName
 from dflash_tasks.core.locks import HeldLock, LockLost
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.dispatch import hold
@@ -47,13 +47,13 @@ def batch_writer(storage: Storage) -> BatchWriter:
                        lock_ttl_s=s.lock_ttl_s, spool=spool, on_sealed=partial(sample_quality, r))
 
 
-def tick_job(name: str) -> dict | None:
+def tick_job(name: JobName) -> dict | None:
     """Seal and ship what is ready, write progress.json, and mark the job done once everything
     is shipped. One tick per job at a time (a lock), so a second beat started by mistake only
     skips; a storage failure is logged once, shown in progress.json, and retried at the next
     tick. Returns the snapshot written, or None when another tick holds the job."""
     r, s = redis_client(), get_settings()
-    lock = HeldLock(r, JobKeys(name).tick_lock, s.lock_ttl_s)
+    lock = HeldLock(r, name.tick_lock, s.lock_ttl_s)
     if not lock.acquire():
         log.debug("job %s: another tick is running; skipped", name)
         return None
@@ -89,7 +89,7 @@ def tick_job(name: str) -> dict | None:
     return snap
 
 
-def _seal_and_ship(r, s, name: str, storage) -> None:
+def _seal_and_ship(r, s, name: JobName, storage) -> None:
     """Seal and upload the full batches (every row, once every prompt has its answer; each one
     sampled for training-data quality as it is sealed). It reads a few counts, not a snapshot:
     the tick makes one snapshot, after this, for progress.json."""
@@ -126,7 +126,7 @@ def _seal_and_ship(r, s, name: str, storage) -> None:
             _storage_state(r, name, None, snap["unsealed_rows"])
 
 
-def _final_manifest(r, name: str, snap: dict, storage: Storage) -> bool:
+def _final_manifest(r, name: JobName, snap: dict, storage: Storage) -> bool:
     """manifest.json rewritten once more before the job is done: a rewrite that failed while
     the spool took over (batches.py goes on without it) is caught up here at the latest; and
     superseded.json lists every row a regenerate replaced."""
@@ -139,7 +139,7 @@ def _final_manifest(r, name: str, snap: dict, storage: Storage) -> bool:
         return False
 
 
-def _write_progress(r, s, name: str, storage, snap: dict) -> bool:
+def _write_progress(r, s, name: JobName, storage, snap: dict) -> bool:
     """progress.json beside the batches; when they go to S3, first a copy in beat's own output
     directory, which says the error while the storage fails with rows waiting (none is written
     to S3 then). True when a copy is where the batches are."""
@@ -158,10 +158,10 @@ def _write_progress(r, s, name: str, storage, snap: dict) -> bool:
     return True
 
 
-def _storage_state(r, name: str, error: Exception | None, backlog: int) -> None:
+def _storage_state(r, name: JobName, error: Exception | None, backlog: int) -> None:
     """Keep `storage_error` (shown in progress.json) and log a failure once when it starts, then
     once every STORAGE_WARN_EVERY_S while it lasts: no traceback every few seconds."""
-    k = JobKeys(name).storage_error
+    k = name.storage_error
     now = time.time()
     prev = {key.decode(): v.decode() for key, v in r.hgetall(k).items()}
     if error is None:
@@ -189,19 +189,19 @@ def _storage_state(r, name: str, error: Exception | None, backlog: int) -> None:
 def _settled(r, job: jobs.Job) -> bool:
     """A cancelled job still has ticks to come while its last requests finish and their rows
     wait to be sealed."""
-    k = job.keys
     pipe = r.pipeline(transaction=False)
-    pipe.xlen(k.output)
-    pipe.exists(k.sealing)
+    pipe.xlen(job.name.output)
+    pipe.exists(job.name.sealing)
     for gpu in dispatch.dispatched_gpus(r, job.name):
-        pipe.zcard(k.inflight(gpu))
+        pipe.zcard(job.name.inflight(gpu))
     return not any(pipe.execute())
 
 
 def _each_job(r, work) -> None:
     """work(job) for every job; one job's trouble (a bad name in dflash:jobs, a corrupt config,
     a failing tick) is logged and the others go on."""
-    for name in jobs.names(r):
+    for name in jobs.names(r, skipped=lambda raw, exc: log.error("job %r: skipped this time: %s",
+                                                                  raw, exc)):
         try:
             job = jobs.load(r, name)
             if job is not None:
@@ -232,7 +232,7 @@ def maintain() -> None:
     try:  # no job dispatches while Redis nears its maxmemory with rows to seal (dispatch/hold.py)
         pipe = r.pipeline(transaction=False)
         for name in jobs.names(r):
-            pipe.xlen(JobKeys(name).output)
+            pipe.xlen(name.output)
         hold.check_memory(r, s.redis_memory_hold_ratio, sum(pipe.execute()))
     except redis.RedisError as exc:  # a Redis refusing writes already: the windows wait anyway
         log.warning("Redis memory check failed: %s", exc)

@@ -44,7 +44,7 @@ from celery.exceptions import Reject, Retry
 
 from dflash_tasks.core.connections import REDIS_DOWN, through_outage
 from dflash_tasks.core.jobs import GenerationParams
-from dflash_tasks.core.keys import GENERATE_TASK, queue_for
+from dflash_tasks.core.keys import GENERATE_TASK, GpuName, JobName
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.dispatch import publish, topup, window
 from dflash_tasks.dispatch.retry import RetryPolicy
@@ -90,6 +90,7 @@ def durable(what: str, fn: Callable[..., T], *args, **kwargs) -> T:
 # per completion (benchmarks/RESULTS.md, case 4: the profile's "result backend").
 @app.task(name=GENERATE_TASK, bind=True, max_retries=None, throws=(PromptFailed,), ignore_result=True)
 def generate(self, job: str, prompt_id: str, gpu: str, tries: int = 0) -> dict:
+    job, gpu = JobName(job), GpuName(gpu)  # the message's: checked here, once
     try:
         return _generate(self, job, prompt_id, gpu, tries)
     except (Retry, Reject, PromptFailed, *REDIS_DOWN):
@@ -104,7 +105,7 @@ def generate(self, job: str, prompt_id: str, gpu: str, tries: int = 0) -> dict:
         _refill(job, gpu)
 
 
-def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
+def _generate(self, job: JobName, prompt_id: str, gpu: GpuName, tries: int) -> dict:
     book = runtime().book
     shutdown = runtime().shutdown
     if shutdown.requested():
@@ -182,7 +183,7 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
                 return {"id": prompt_id, "skipped": "done by another delivery, or its job deleted"}
             log.info("prompt %s on %s: %s; retry %d/%d in %.1fs", prompt_id, gpu, exc,
                      attempt, s.max_retries, countdown)
-            raise self.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
+            raise self.retry(exc=exc, countdown=countdown, queue=gpu,
                              args=(job, prompt_id, gpu), kwargs={"tries": attempt})
         _fail(job, prompt_id, gpu, exc, attempt)
     except DeploymentError as exc:
@@ -207,7 +208,8 @@ def _generate(self, job: str, prompt_id: str, gpu: str, tries: int) -> dict:
             **({} if recorded else {"skipped": "duplicate delivery"})}
 
 
-def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> list | dict | None:
+def _read_body(task, job: JobName, prompt_id: str, gpu: GpuName, tries: int,
+               state) -> list | dict | None:
     """The entry of a prompt whose body is kept on storage (ledger/bodies.py: its messages, or
     those of a truncated row to continue with what the continuation needs), by fault:
     - the storage out (S3 unreachable, a slow disk): waited out like a server that does not
@@ -244,7 +246,7 @@ def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> l
             runtime().breaker(gpu).trip(
                 "prompt_storage", f"prompt texts unreadable for {lasted:.0f}s: {exc}",
                 partial(_readable, storage, job, state.body_reference), kind=TRANSIENT)
-        raise task.retry(exc=exc, countdown=countdown, queue=queue_for(gpu),
+        raise task.retry(exc=exc, countdown=countdown, queue=gpu,
                          args=(job, prompt_id, gpu), kwargs={"tries": tries})
     if (ended := outage.succeeded()) is not None:
         log.warning("prompt texts readable again after %.0fs (%d reads failed meanwhile)",
@@ -252,7 +254,7 @@ def _read_body(task, job: str, prompt_id: str, gpu: str, tries: int, state) -> l
     return decode_messages(frame)
 
 
-def _readable(storage, job: str, reference: bytes) -> bool:
+def _readable(storage, job: JobName, reference: bytes) -> bool:
     """The breaker's probe while prompt texts cannot be read: one read of a prompt's bytes."""
     try:
         bodies.read_frame(storage, job, reference)
@@ -261,7 +263,7 @@ def _readable(storage, job: str, reference: bytes) -> bool:
         return False
 
 
-def _hand_over(job: str, prompt_id: str, gpu: str, messages: list[dict], partial,
+def _hand_over(job: JobName, prompt_id: str, gpu: GpuName, messages: list[dict], partial,
                params: GenerationParams) -> dict | None:
     """A generation aborted here with its partial output, to go on elsewhere from its exact
     tokens: ordered moved to a faster GPU at the end of the run (take.lua, worker/migration.py),
@@ -287,7 +289,7 @@ def _hand_over(job: str, prompt_id: str, gpu: str, messages: list[dict], partial
     return {"id": prompt_id, "moved_to": target or "pending", "tokens": tokens}
 
 
-def _refill(job: str, gpu: str) -> None:
+def _refill(job: JobName, gpu: GpuName) -> None:
     if runtime().shutdown.requested():
         return  # the next worker (or beat's maintain) refills; this one takes nothing new
     try:
@@ -296,14 +298,14 @@ def _refill(job: str, gpu: str) -> None:
         log.warning("%s: could not top up job %s's window (%s)", gpu, job, exc)
 
 
-def _fail(job: str, prompt_id: str, gpu: str, exc: SGLangError, attempts: int) -> None:
+def _fail(job: JobName, prompt_id: str, gpu: GpuName, exc: SGLangError, attempts: int) -> None:
     _record_failure(job, prompt_id, gpu, reason=exc.reason,
                     klass="transient" if exc.transient else "permanent", error=str(exc),
                     status=exc.status, attempts=attempts)
 
 
-def _record_failure(job: str, prompt_id: str, gpu: str, *, reason: str, klass: str, error: str,
-                    status: int | None, attempts: int) -> None:
+def _record_failure(job: JobName, prompt_id: str, gpu: GpuName, *, reason: str, klass: str,
+                    error: str, status: int | None, attempts: int) -> None:
     """Enter the prompt in the failed registry, then raise PromptFailed (Flower: FAILURE)."""
     record = {"id": prompt_id, "reason": reason, "class": klass, "error": error[:2000],
               "status": status, "attempts": attempts, "gpu": gpu, "at": round(time.time(), 3)}

@@ -42,7 +42,7 @@ from typing import Callable
 
 import redis
 
-from dflash_tasks.core.keys import BREAKERS, queue_for
+from dflash_tasks.core.keys import BREAKERS, GpuName
 from dflash_tasks.core.settings import redact_url
 from dflash_tasks.worker.shutdown import Shutdown
 
@@ -234,15 +234,15 @@ class CircuitBreaker:
 
 # -- its state in Redis, for `manage.py failed` ----------------------------------------------
 
-def publisher(r: redis.Redis, gpu: str, url: str) -> Callable[[CircuitBreaker], None]:
+def publisher(r: redis.Redis, gpu: GpuName, url: str) -> Callable[[CircuitBreaker], None]:
     def publish(b: CircuitBreaker) -> None:
-        r.hset(BREAKERS, queue_for(gpu), json.dumps({
+        r.hset(BREAKERS, gpu, json.dumps({
             **b.snapshot(), "url": redact_url(url), "host": socket.gethostname(),
             "pid": os.getpid(), "at": time.time()}))
     return publish
 
 
-def publish_closed(r: redis.Redis, gpu: str, url: str) -> None:
+def publish_closed(r: redis.Redis, gpu: GpuName, url: str) -> None:
     """A worker starting on a healthy server clears what a dead predecessor left behind."""
     try:
         publisher(r, gpu, url)(CircuitBreaker(gpu, lambda: True))

@@ -18,7 +18,7 @@ from typing import Callable
 
 import redis
 
-from dflash_tasks.core.keys import WORKERS, WORKERS_SEEN, queue_for
+from dflash_tasks.core.keys import WORKERS, WORKERS_SEEN, GpuName
 from dflash_tasks.core.scripts import Script
 from dflash_tasks.ledger import Ledger
 
@@ -51,18 +51,18 @@ def _holder_is_dead(holder: dict) -> bool:
     return False
 
 
-def claim_gpu(r: redis.Redis, gpu: str, registration: str, fresh_s: float, *,
+def claim_gpu(r: redis.Redis, gpu: GpuName, registration: str, fresh_s: float, *,
               release: bool = False) -> str:
     """Register this worker for `gpu` and stamp its heartbeat, unless another holds the name
     with a heartbeat younger than fresh_s (claim_gpu.lua); with `release`, remove the stamp if
     it is ours. Returns "" when done, else the holder's registration JSON."""
-    held = CLAIM_GPU(r, workers=WORKERS, seen=WORKERS_SEEN, gpu=queue_for(gpu),
+    held = CLAIM_GPU(r, workers=WORKERS, seen=WORKERS_SEEN, gpu=gpu,
                      registration=registration, fresh_s=fresh_s,
                      mode="release" if release else "claim")
     return held.decode() if isinstance(held, bytes) else held
 
 
-def claim(book: Ledger, gpu: str, registration: str, interval_s: float,
+def claim(book: Ledger, gpu: GpuName, registration: str, interval_s: float,
           sleep: Callable[[float], None] = time.sleep) -> None:
     """Register this worker for `gpu` and stamp its heartbeat. A holder that stops stamping
     (killed elsewhere) is waited out, FRESH_PERIODS heartbeats at most; one on this host whose
@@ -87,7 +87,7 @@ def claim(book: Ledger, gpu: str, registration: str, interval_s: float,
         sleep(interval_s)
 
 
-def run(book: Ledger, gpu: str, registration: str, interval_s: float, stop: threading.Event,
+def run(book: Ledger, gpu: GpuName, registration: str, interval_s: float, stop: threading.Event,
         on_taken: Callable[[str], None]) -> None:
     """Stamp gpu's heartbeat now and every interval_s until `stop` (the worker runtime's thread).
     When another worker has taken the name meanwhile (this one was frozen longer than a fresh

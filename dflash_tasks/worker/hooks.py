@@ -17,7 +17,7 @@ from celery.worker.state import active_requests, reserved_requests
 from dflash_tasks import dispatch
 from dflash_tasks.core import jobs
 from dflash_tasks.core.connections import PersistenceError, check_persistence
-from dflash_tasks.core.keys import gpu_order, parse_gpu, queue_for
+from dflash_tasks.core.keys import GpuName
 from dflash_tasks.core.settings import redact_url
 from dflash_tasks.sglang import DeploymentError, SGLangClient, SGLangError
 from dflash_tasks.worker import heartbeat
@@ -28,10 +28,9 @@ log = logging.getLogger(__name__)
 HEALTH_WARN_EVERY_S = 60.0
 
 
-def gpus_consumed(app) -> list[str]:
+def gpus_consumed(app) -> list[GpuName]:
     """The GPUs whose queues this worker consumes (a GPU's queue bears its name)."""
-    names = app.amqp.queues.consume_from or {}
-    return sorted((name for name in names if parse_gpu(name)), key=gpu_order)
+    return GpuName.among(app.amqp.queues.consume_from or {})
 
 
 def _size_http_pools(sender, instance, **_):
@@ -67,7 +66,7 @@ def _wait_for_servers(sender, instance, conf, **_):
         runtime().start_reporting(gpu, registration)  # progress.json's "alive", its server's load
 
 
-def _learn_contract(gpu: str, url: str) -> None:
+def _learn_contract(gpu: GpuName, url: str) -> None:
     """Ask the server once for what every row of this GPU records besides the request: its chat
     template's fingerprint, its reasoning parser and its model (the process's client caches
     them; a server that is not SGLang, or not the right one, opens the breaker). A server
@@ -91,7 +90,7 @@ def _learn_contract(gpu: str, url: str) -> None:
                     "reasoning inside content", gpu, redact_url(url))
 
 
-def _claim(gpu: str, concurrency: int, hostname: str, url: str) -> str:
+def _claim(gpu: GpuName, concurrency: int, hostname: str, url: str) -> str:
     """Register this worker for the GPU (its concurrency sizes the dispatch window), refusing to
     start while another live worker holds the GPU's name (heartbeat.claim). Returns the
     registration, which every heartbeat claims again."""
@@ -151,7 +150,7 @@ class RestoreOnConnect(bootsteps.StartStopStep):
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def start(self, c):
-        queues = [queue_for(gpu) for gpu in gpus_consumed(c.app)]
+        queues = gpus_consumed(c.app)
         if not queues:
             return
         held = {tag for request in (*tuple(active_requests), *tuple(reserved_requests))

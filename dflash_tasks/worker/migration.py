@@ -10,6 +10,7 @@ import threading
 
 import redis
 
+from dflash_tasks.core.keys import GpuName
 from dflash_tasks.dispatch import window
 from dflash_tasks.ledger import Ledger
 from dflash_tasks.worker.shutdown import Shutdown
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0
 
 
-def run(book: Ledger, gpu: str, running: Shutdown, stop: threading.Event) -> None:
+def run(book: Ledger, gpu: GpuName, running: Shutdown, stop: threading.Event) -> None:
     """Until `stop`: abort the requests of the generations ordered moved off `gpu`."""
     while not stop.is_set():
         try:

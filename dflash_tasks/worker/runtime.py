@@ -15,6 +15,7 @@ from functools import lru_cache, partial
 import redis
 
 from dflash_tasks.core.connections import redis_client
+from dflash_tasks.core.keys import GpuName
 from dflash_tasks.core.settings import Settings, get_settings, redact_url
 from dflash_tasks.ledger import ledger_for
 from dflash_tasks.sglang import SGLangClient
@@ -82,7 +83,7 @@ class WorkerRuntime:
             return SGLangClient.max_connections
         return self.concurrency + POOL_MARGIN
 
-    def client(self, gpu: str) -> SGLangClient:
+    def client(self, gpu: GpuName) -> SGLangClient:
         """The process's one client for gpu's server."""
         s = self.settings
         url = s.sglang_url_for(gpu)
@@ -94,7 +95,7 @@ class WorkerRuntime:
                     max_connections=self.pool_size())
             return self._clients[url]
 
-    def breaker(self, gpu: str) -> CircuitBreaker:
+    def breaker(self, gpu: GpuName) -> CircuitBreaker:
         """The process's one breaker in front of gpu's server, its state published in Redis."""
         client = self.client(gpu)
         url, s = client.base_url, self.settings
@@ -107,7 +108,7 @@ class WorkerRuntime:
                     shutdown=self.shutdown)
             return self._breakers[url]
 
-    def start_reporting(self, gpu: str, registration: str) -> None:
+    def start_reporting(self, gpu: GpuName, registration: str) -> None:
         """gpu's heartbeat (progress.json's "alive", and this worker's claim of the GPU's name:
         heartbeat.py) and its server's /metrics samples, each from a daemon thread; once per
         GPU."""
@@ -128,7 +129,7 @@ class WorkerRuntime:
                                s.server_metrics_interval_s, stop),
                          name=f"server metrics {gpu}", daemon=True).start()
 
-    def _taken_over(self, gpu: str, holder: str) -> None:
+    def _taken_over(self, gpu: GpuName, holder: str) -> None:
         """Another worker holds this GPU's name now (this process stood still longer than a
         fresh heartbeat): two consumers of one queue hand back each other's prompts, so this one
         stops, warmly (SIGTERM: its requests finish or go back to the queue)."""

@@ -12,7 +12,7 @@ import threading
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from dflash_tasks.core.keys import SERVERS, queue_for
+from dflash_tasks.core.keys import SERVERS, GpuName
 from dflash_tasks.sglang import SGLangClient, SGLangError
 
 log = logging.getLogger(__name__)
@@ -46,14 +46,14 @@ def sample(client: SGLangClient) -> dict:
         return {"error": f"unreadable /metrics: {exc}"[:300]}
 
 
-def sample_once(r: redis.Redis, gpu: str, client: SGLangClient) -> dict:
+def sample_once(r: redis.Redis, gpu: GpuName, client: SGLangClient) -> dict:
     seconds, micros = r.time()
     record = {**sample(client), "at": round(seconds + micros / 1e6, 3)}
-    r.hset(SERVERS, queue_for(gpu), json.dumps(record))
+    r.hset(SERVERS, gpu, json.dumps(record))
     return record
 
 
-def run(r: redis.Redis, gpu: str, client: SGLangClient, interval_s: float,
+def run(r: redis.Redis, gpu: GpuName, client: SGLangClient, interval_s: float,
         stop: threading.Event) -> None:
     """Sample gpu's server every interval_s until `stop` (the worker runtime's thread)."""
     while True:

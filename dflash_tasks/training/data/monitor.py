@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 
-from dflash_tasks.core.keys import JobKeys
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.training.data.gate import Report, RowCheck, Rules, Thresholds, text_flags
 from dflash_tasks.training.data.tokens import row_thinking
 
@@ -32,21 +32,20 @@ RULES = Rules()
 THRESHOLDS = Thresholds()
 
 
-def _keys(job: str) -> tuple[str, str, str, str]:
-    k = JobKeys(job)
-    return k.quality("cursor"), k.quality("window"), k.quality("sampled"), k.quality("alerts")
+def _keys(job: JobName) -> tuple[str, str, str, str]:
+    return tuple(job.quality(part) for part in ("cursor", "window", "sampled", "alerts"))
 
 
-def _figures_key(job: str) -> str:
-    return JobKeys(job).quality("figures")
+def _figures_key(job: JobName) -> str:
+    return job.quality("figures")
 
 
-def restart_window(r, job: str) -> None:
+def restart_window(r, job: JobName) -> None:
     """Empty the window (a regenerate superseded some of its rows: their facts would still count,
     e.g. truncated rows already generated again); only rows made since are sampled, in the
     batches sealed from now on: the cursor moves past the rows waiting now (one row read, once)."""
     cursor_key, window_key, _, _ = _keys(job)
-    newest = r.xrevrange(JobKeys(job).output, count=1)
+    newest = r.xrevrange(job.output, count=1)
     pipe = r.pipeline()
     pipe.delete(window_key, _figures_key(job))
     if newest:
@@ -106,7 +105,8 @@ def figures(report: Report, sampled: int, thresholds: Thresholds = THRESHOLDS) -
     }
 
 
-def sample_quality(r, job: str, entries: list[tuple[str, dict]], *, window: int = WINDOW) -> dict:
+def sample_quality(r, job: JobName, entries: list[tuple[str, dict]], *,
+                   window: int = WINDOW) -> dict:
     """Sample a sealed batch, given as its (stream id, row) pairs oldest first (BatchWriter's
     on_sealed): its rows past the cursor join the window, the window's figures are stored for
     the snapshot and returned (an `error` entry instead when anything fails: sealing goes on)."""

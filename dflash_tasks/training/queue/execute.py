@@ -28,7 +28,7 @@ from typing import Callable
 import redis
 
 from dflash_tasks.core import jobs
-from dflash_tasks.core.keys import check_job_name
+from dflash_tasks.core.keys import JobName, check_job_name
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.output.progress import read_progress
 from dflash_tasks.output.storage import S3Storage, StorageError, job_output, storage_for
@@ -69,7 +69,7 @@ class RunSession:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.attempt = 1
         # Where its batches are: the job's own location; a job from elsewhere: ours.
-        job = jobs.load(r, run.job) if r is not None else None
+        job = jobs.load(r, JobName(run.job)) if r is not None else None  # checked by _run_dir
         self.storage = job_output(job, settings) if job is not None else storage_for(settings)
         self.s3 = self.storage if isinstance(self.storage, S3Storage) else None
         self.uploaded: dict[str, str] = dict(run.get("uploaded") or {})

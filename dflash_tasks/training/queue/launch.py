@@ -14,6 +14,7 @@ import time
 import redis
 
 from dflash_tasks.core import jobs
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.output.batches import stored_records
 from dflash_tasks.training.queue import runs
@@ -30,18 +31,19 @@ def beat(r: redis.Redis, s: Settings, send) -> None:
     requeue_lost(r, s, active, send)
 
 
-def shipped_rows(r: redis.Redis, job: str) -> int:
+def shipped_rows(r: redis.Redis, job: JobName) -> int:
     """Rows in batches a training run can read: in the storage, not waiting in beat's spool."""
     return sum(rec["rows"] for rec in stored_records(r, job))
 
 
 def is_ready(r: redis.Redis, run: runs.Run) -> bool:
-    job = jobs.load(r, run.job)
+    name = JobName(run.job)  # as the run's record in Redis has it
+    job = jobs.load(r, name)
     if job is None:
         return False
     if job.status == "done":
         return True
-    return run.trigger == "min-rows" and shipped_rows(r, run.job) >= run.min_rows
+    return run.trigger == "min-rows" and shipped_rows(r, name) >= run.min_rows
 
 
 def launch_ready(r: redis.Redis, candidates: list[runs.Run], send) -> list[str]:

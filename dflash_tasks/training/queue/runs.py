@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from dflash_tasks.core.keys import TRAIN_RUNS, check_job_name, train_run, train_seq
+from dflash_tasks.core.keys import TRAIN_RUNS, JobName, check_job_name, train_run, train_seq
 from dflash_tasks.core.scripts import Script
 
 WAITING, QUEUED, RUNNING = "waiting", "queued", "running"
@@ -78,10 +78,9 @@ def _encode(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def create(r: redis.Redis, job: str, trainer: str, spec: dict, *, trigger: str, min_rows: int = 0,
-           name: str | None = None) -> Run:
+def create(r: redis.Redis, job: JobName, trainer: str, spec: dict, *, trigger: str,
+           min_rows: int = 0, name: str | None = None) -> Run:
     """A new run, waiting for its trigger (or queued, for "now": the caller sends its task)."""
-    check_job_name(job)
     name = check_job_name(name) if name else f"{job}-train-{r.incr(train_seq(job))}"
     key = train_run(name)
     now = time.time()
