@@ -31,7 +31,9 @@ elif args.mode == "fail":
     print("error: CUDA out of memory (pretend)", file=sys.stderr, flush=True)
     sys.exit(3)
 else:
-    (args.out / "trainer.pid").write_text(str(os.getpid()))
+    # Written whole or not at all (a rename): the test reads it as soon as it exists.
+    (args.out / "trainer.pid.tmp").write_text(str(os.getpid()))
+    os.replace(args.out / "trainer.pid.tmp", args.out / "trainer.pid")
     print("training started; waiting", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM, saving and exiting", flush=True),
                                               sys.exit(143)))
