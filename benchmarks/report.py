@@ -417,7 +417,9 @@ def _seed_measured(res: dict) -> list[str]:
             " finish reason as it is taken back). Before, the entry was stored in Redis whole:"
             f" {c10['old_entry_bytes']:,.0f} B a row on these rows. Four simulated servers and"
             f" workers then generated the continuations in {c10['generate_s']:.0f} s;"
-            f" {c10['extended']:,} of {c10['reopened']:,} new rows begin with their own 4,096 ids.",
+            f" {c10['extended']:,} of {c10['reopened']:,} new rows begin with their own 4,096 ids"
+            f" and count them as continued ({c10.get('moved', 0):,} of them moved to a faster GPU"
+            " at the end, counting that GPU's share too).",
             ""]
     if c11:
         out += [

@@ -120,15 +120,20 @@ def continuation_case(work: Path, prompts: int, servers: int = 4) -> dict:
         for record in read_manifest(storage, job)["batches"]:
             for row in read_batch(storage, record):
                 newest[row["id"]] = row
+        # A continuation the end game moved to a faster GPU reuses, besides its prefix, what the
+        # slower GPU generated (metadata.gpus: each GPU's share, the last one's own).
+        moved = {pid: sum(share["tokens"] for share in newest[pid]["metadata"]["gpus"][:-1])
+                 for pid in truncated if "gpus" in newest[pid]["metadata"]}
         extended = sum(1 for pid, prefix in truncated.items()
                        if newest[pid]["token_ids"]["response"][:CUT] == prefix
-                       and newest[pid]["metadata"].get("continued_tokens") == CUT)
+                       and newest[pid]["metadata"].get("continued_tokens")
+                       == CUT + moved.get(pid, 0))
     n = len(truncated)
     return {"prompts": prompts, "reopened": n, "regenerate_s": regenerate_s,
             "s_per_10k": regenerate_s * 10_000 / n,
             "job_bytes_per_row": (job1 - job0) / n, "used_memory_per_row": (used1 - used0) / n,
             "prompts_entry_bytes": prompts_entry, "old_entry_bytes": statistics.mean(entry_bytes),
-            "extended": extended, "generate_s": generate_s, "output": out[-1500:],
+            "extended": extended, "moved": len(moved), "generate_s": generate_s, "output": out[-1500:],
             "seed_rows": SEED_ROWS,
             "seed_bytes": SEED_ROWS * max(0.0, (used1 - used0) / n),
             "seed_old_bytes": SEED_ROWS * statistics.mean(entry_bytes),
