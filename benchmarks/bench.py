@@ -35,6 +35,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -262,9 +263,10 @@ def overhead_case(cfg: Config, work: Path, dataset: Path, flower: bool = False) 
             if done >= cfg.overhead_prompts:
                 break
             if not flower and spy is None and done >= 0.1 * cfg.overhead_prompts:
-                # Through the steady part: about half of what the run has left at this rate.
+                # Through the steady part: about half of what the run has left at this rate
+                # (at most a minute: a rate read too early once asked py-spy for 40 minutes).
                 left_s = 0.8 * cfg.overhead_prompts / max(1.0, _rate_so_far(samples))
-                spy = profile.record(c.workers[0].pid, 0.5 * left_s, raw)
+                spy = profile.record(c.workers[0].pid, min(0.5 * left_s, 60.0), raw)
             time.sleep(0.1)
         completed_at = time.monotonic()
         meter.stop()
@@ -274,7 +276,11 @@ def overhead_case(cfg: Config, work: Path, dataset: Path, flower: bool = False) 
         batches = int(r.hget(k.counters, "batches") or 0)
         profiled = None
         if spy is not None:
-            _, err = spy.communicate(timeout=120)
+            try:
+                _, err = spy.communicate(timeout=120)
+            except subprocess.TimeoutExpired:  # py-spy writes what it has on SIGINT
+                spy.send_signal(signal.SIGINT)
+                _, err = spy.communicate(timeout=60)
             if raw.exists():
                 parts, n = profile.shares(raw)
                 profiled = {"parts": parts, "samples": n}
