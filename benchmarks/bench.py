@@ -159,8 +159,7 @@ def makespan_case(cfg: Config, work: Path, name: str, dataset: Path, unit_times:
     base_fig = measure.figures(poller.series[n:])
     return {
         "name": name, "slow": slow, "ideal_s": ideal, "work_s": sum(unit_times),
-        "dynamic_ref": measure.dynamic_makespan(unit_times, [cfg.slots] * n, slow) / ideal,
-        "static_ref": measure.static_makespan(unit_times, [cfg.slots] * n, slow) / ideal,
+        **measure.references(unit_times, [cfg.slots] * n, slow, ideal),
         "longest_s": max(unit_times), "wall_s": meter.wall,
         "ours": {**asdict(ours_fig), "ratio": ours_fig.makespan / ideal,
                  "completed": c.get("completed", 0), "failed": c.get("failed", 0),
@@ -566,8 +565,7 @@ def many_gpus_case(cfg: Config, work: Path, dataset: Path, unit_times: list[floa
     cpu = meter.grouped()
     return {"nodes": len(nodes), "gpus": n_gpus, "slots": cfg.many_slots, "prompts": cfg.many_prompts,
             "startup_s": startup_s, "ideal_s": ideal, "longest_s": max(unit_times),
-            "dynamic_ref": measure.dynamic_makespan(unit_times, [cfg.many_slots] * n_gpus,
-                                                    [1.0] * n_gpus) / ideal,
+            **measure.references(unit_times, [cfg.many_slots] * n_gpus, [1.0] * n_gpus, ideal),
             "ours": {**asdict(fig), "ratio": fig.makespan / ideal, "completed": completed,
                      "failed": counters.get("failed", 0), "migrated": counters.get("migrated", 0),
                      "migrated_tokens": counters.get("migrated_tokens", 0),

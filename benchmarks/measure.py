@@ -58,11 +58,68 @@ def dynamic_makespan(times: list[float], slots: list[int], slow: list[float]) ->
     return end
 
 
+def moving_makespan(times: list[float], slots: list[int], slow: list[float]) -> float:
+    """The dynamic dispatcher plus the end game's moves at zero cost: once every prompt has
+    started, a slot that frees up takes the running generation of a slower server that would
+    end last, if it ends sooner here. It knows how long the running generations still run
+    (the project only guesses: the newest dispatched), never how long a pending prompt will be:
+    the floor of any dispatcher that starts prompts in order without foreknowledge of lengths
+    and moves what runs."""
+    speed = [f for n, f in zip(slots, slow) for _ in range(n)]
+    free = [(0.0, f, i) for i, f in enumerate(speed)]  # ties to the faster slot, as dynamic_makespan
+    heapq.heapify(free)
+    ends = [0.0] * len(speed)
+    for t in times:
+        at, f, i = heapq.heappop(free)
+        ends[i] = at + t * f
+        heapq.heappush(free, (ends[i], f, i))
+    events = sorted((e, i) for i, e in enumerate(ends))
+    heapq.heapify(events)
+    while events:
+        now, i = heapq.heappop(events)
+        if ends[i] != now:
+            continue  # this slot took a generation since; its new end is queued
+        running = [j for j in range(len(speed)) if speed[j] > speed[i] and ends[j] > now]
+        if not running:
+            continue
+        j = max(running, key=ends.__getitem__)
+        moved_end = now + (ends[j] - now) / speed[j] * speed[i]
+        if moved_end < ends[j]:
+            ends[i], ends[j] = moved_end, now
+            heapq.heappush(events, (moved_end, i))
+            heapq.heappush(events, (now, j))  # the slower slot is free: it may take from a slower one still
+    return max(ends)
+
+
+def foreknowing_makespan(times: list[float], slots: list[int], slow: list[float]) -> float:
+    """A dispatcher that knows every output's length before it starts (the LPT rule: longest
+    first, each to the slot where it ends soonest). Not reachable without that knowledge: it
+    shows how much of the ideal is foreknowledge."""
+    speed = [f for n, f in zip(slots, slow) for _ in range(n)]
+    by_speed: dict[float, list[float]] = {f: [0.0] * speed.count(f) for f in set(speed)}
+    for heap in by_speed.values():
+        heapq.heapify(heap)
+    for t in sorted(times, reverse=True):
+        f = min(by_speed, key=lambda f: by_speed[f][0] + t * f)
+        heapq.heapreplace(by_speed[f], by_speed[f][0] + t * f)
+    return max(max(heap) for heap in by_speed.values())
+
+
 def static_makespan(times: list[float], slots: list[int], slow: list[float]) -> float:
     """The baseline's schedule without its client's overhead: prompt i to server i mod n up
     front, each server's share in order over its own slots."""
     n = len(slots)
     return max(greedy_makespan([t * slow[i] for t in times[i::n]], slots[i]) for i in range(n))
+
+
+def references(times: list[float], slots: list[int], slow: list[float], ideal: float) -> dict:
+    """The computed schedules a case's makespan stands beside, each as a ratio to the ideal:
+    the dynamic dispatcher without moves, with the end game's moves (the floor without
+    foreknowledge), with foreknowledge of every length, and the seed-style static split."""
+    return {"dynamic_ref": dynamic_makespan(times, slots, slow) / ideal,
+            "moving_ref": moving_makespan(times, slots, slow) / ideal,
+            "foreknowing_ref": foreknowing_makespan(times, slots, slow) / ideal,
+            "static_ref": static_makespan(times, slots, slow) / ideal}
 
 
 # -- the servers' own counts --------------------------------------------------------------------

@@ -285,7 +285,7 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
             for row in read_batch(storage, record):
                 newest[row["id"]] = row
     # Every row of the round (a moved one kept more than the cut: its tokens from before the move)
-    continued = [row for row in newest.values()
+    continued = [row for _, row in sorted(newest.items())  # in the dataset's order
                  if (row["metadata"].get("continued_tokens") or 0) >= CUT]
     work_s = [(row["metadata"]["completion_tokens"] - CUT) / tps for row in continued]
     ideal = measure.ideal_makespan(work_s, [slots] * servers, slow)
@@ -293,7 +293,7 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
     generated = sum(s.final["completion_tokens"] for s in poller.series)
     return {"prompts": prompts, "continued": len(continued), "ideal_s": ideal,
             "makespan_s": fig.makespan, "ratio": fig.makespan / ideal, "occupancy": fig.occupancy,
-            "dynamic_ref": measure.dynamic_makespan(work_s, [slots] * servers, slow) / ideal,
+            **measure.references(work_s, [slots] * servers, slow, ideal),
             "longest_s": max(work_s), "migrated": counters.get("migrated", 0),
             "migrated_tokens": counters.get("migrated_tokens", 0),
             "tokens_lost": generated - sum(row["metadata"]["completion_tokens"] - CUT
