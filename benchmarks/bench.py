@@ -150,6 +150,7 @@ def makespan_case(cfg: Config, work: Path, name: str, dataset: Path, unit_times:
             meter.stop()
             machine = measure.machine_cpu_seconds() - machine0
         c = {k.decode(): int(v) for k, v in r.hgetall(counters).items()}
+        rounds = measure.round_figures(r, cfg.decode_tps)
     (root / "server-samples.json").write_text(json.dumps(
         {s.url: {"samples": s.samples, "final": s.final} for s in poller.series}))
     n = cfg.servers
@@ -159,12 +160,13 @@ def makespan_case(cfg: Config, work: Path, name: str, dataset: Path, unit_times:
     base_fig = measure.figures(poller.series[n:])
     return {
         "name": name, "slow": slow, "ideal_s": ideal, "work_s": sum(unit_times),
-        **measure.references(unit_times, [cfg.slots] * n, slow, ideal),
+        **measure.references(unit_times, [cfg.slots] * n, slow, ideal, **rounds),
         "longest_s": max(unit_times), "wall_s": meter.wall,
         "ours": {**asdict(ours_fig), "ratio": ours_fig.makespan / ideal,
                  "completed": c.get("completed", 0), "failed": c.get("failed", 0),
                  # The end game's moves (issue 29), and the tokens decoded that no row kept.
                  "migrated": c.get("migrated", 0), "migrated_tokens": c.get("migrated_tokens", 0),
+                 "rounds": c.get("rounds", 0), "round_tokens": c.get("round_tokens", 0),
                  "tokens_lost": generated - c.get("output_tokens", 0)},
         "baseline": {**asdict(base_fig), "ratio": base_fig.makespan / ideal,
                      "completed": baseline["completed"], "failed": baseline["failed"],
@@ -554,6 +556,7 @@ def many_gpus_case(cfg: Config, work: Path, dataset: Path, unit_times: list[floa
             commands = r.info("stats")["total_commands_processed"] - commands0
             meter.stop()
         counters = {key.decode(): int(v) for key, v in r.hgetall(k.counters).items()}
+        rounds = measure.round_figures(r, cfg.many_decode_tps)
     fig = measure.figures(poller.series)
     completed = counters.get("completed", 0)
     memory: dict[str, dict] = {}
@@ -565,10 +568,13 @@ def many_gpus_case(cfg: Config, work: Path, dataset: Path, unit_times: list[floa
     cpu = meter.grouped()
     return {"nodes": len(nodes), "gpus": n_gpus, "slots": cfg.many_slots, "prompts": cfg.many_prompts,
             "startup_s": startup_s, "ideal_s": ideal, "longest_s": max(unit_times),
-            **measure.references(unit_times, [cfg.many_slots] * n_gpus, [1.0] * n_gpus, ideal),
+            **measure.references(unit_times, [cfg.many_slots] * n_gpus, [1.0] * n_gpus, ideal,
+                                 **rounds),
             "ours": {**asdict(fig), "ratio": fig.makespan / ideal, "completed": completed,
                      "failed": counters.get("failed", 0), "migrated": counters.get("migrated", 0),
                      "migrated_tokens": counters.get("migrated_tokens", 0),
+                     "rounds": counters.get("rounds", 0),
+                     "round_tokens": counters.get("round_tokens", 0),
                      "tokens_lost": sum(s.final["completion_tokens"] for s in poller.series)
                      - counters.get("output_tokens", 0)},
             "redis_commands_per_completion": commands / max(1, completed),

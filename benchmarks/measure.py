@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from dflash_dev.sim.lengths import chat_plan, greedy_makespan, service_seconds
+from dflash_tasks.core.settings import Settings
 from dflash_tasks.ingest.prompts import read_prompts
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -73,6 +74,12 @@ def moving_makespan(times: list[float], slots: list[int], slow: list[float]) -> 
         at, f, i = heapq.heappop(free)
         ends[i] = at + t * f
         heapq.heappush(free, (ends[i], f, i))
+    return _moved_end(ends, speed)
+
+
+def _moved_end(ends: list[float], speed: list[float]) -> float:
+    """The last end once every prompt has started, each slot that frees up taking the running
+    generation of a slower one that would end last, if it ends sooner there (zero cost)."""
     events = sorted((e, i) for i, e in enumerate(ends))
     heapq.heapify(events)
     while events:
@@ -89,6 +96,37 @@ def moving_makespan(times: list[float], slots: list[int], slow: list[float]) -> 
             heapq.heappush(events, (moved_end, i))
             heapq.heappush(events, (now, j))  # the slower slot is free: it may take from a slower one still
     return max(ends)
+
+
+def rounds_makespan(times: list[float], slots: list[int], slow: list[float], round_s: float,
+                    rounds_below: float) -> float:
+    """The project's end game at zero cost: a prompt started once fewer than rounds_below are
+    pending runs one round (round_s at speed 1) at a time, and one cut there goes on behind the
+    prompts not started yet, whichever slot frees up first (the oldest cut first); then the
+    moves of moving_makespan. Knows no length in advance."""
+    speed = [f for n, f in zip(slots, slow) for _ in range(n)]
+    free = [(0.0, f, i) for i, f in enumerate(speed)]
+    heapq.heapify(free)
+    ends = [0.0] * len(speed)
+    fresh = list(reversed(times))  # popped from the end: dataset order
+    cut: list[tuple[float, float, int]] = []  # (ready at, work left, order): oldest first
+    order = 0
+    while fresh or cut:
+        at, f, i = heapq.heappop(free)
+        if fresh:
+            left = fresh.pop()
+        elif cut[0][0] <= at:
+            _, left, _ = heapq.heappop(cut)
+        else:  # nothing to start before the next round is ready
+            heapq.heappush(free, (cut[0][0], f, i))
+            continue
+        run = min(left, round_s) if len(fresh) < rounds_below else left
+        ends[i] = at + run * f
+        heapq.heappush(free, (ends[i], f, i))
+        if run < left:
+            order += 1
+            heapq.heappush(cut, (ends[i], left - run, order))
+    return _moved_end(ends, speed)
 
 
 def foreknowing_makespan(times: list[float], slots: list[int], slow: list[float]) -> float:
@@ -112,12 +150,26 @@ def static_makespan(times: list[float], slots: list[int], slow: list[float]) -> 
     return max(greedy_makespan([t * slow[i] for t in times[i::n]], slots[i]) for i in range(n))
 
 
-def references(times: list[float], slots: list[int], slow: list[float], ideal: float) -> dict:
+def round_figures(r, decode_tps: float) -> dict:
+    """A round's length in seconds of speed-1 work, and how few prompts pending begin the
+    rounds: the deployed settings, over the concurrency the GPU workers registered (each task
+    reckons its own concurrency times the job's GPUs: the same with equal workers)."""
+    from dflash_tasks.core.keys import WORKERS
+    s = Settings()
+    concurrency = sum(json.loads(v)["concurrency"] for v in r.hvals(WORKERS))
+    return {"round_s": s.endgame_round_tokens / decode_tps,
+            "rounds_below": s.endgame_rounds_depth * concurrency}
+
+
+def references(times: list[float], slots: list[int], slow: list[float], ideal: float, *,
+               round_s: float, rounds_below: float) -> dict:
     """The computed schedules a case's makespan stands beside, each as a ratio to the ideal:
-    the dynamic dispatcher without moves, with the end game's moves (the floor without
-    foreknowledge), with foreknowledge of every length, and the seed-style static split."""
+    the dynamic dispatcher without moves, with the end game's moves, in rounds with moves (the
+    project's end game at zero cost), with foreknowledge of every length, and the seed-style
+    static split."""
     return {"dynamic_ref": dynamic_makespan(times, slots, slow) / ideal,
             "moving_ref": moving_makespan(times, slots, slow) / ideal,
+            "rounds_ref": rounds_makespan(times, slots, slow, round_s, rounds_below) / ideal,
             "foreknowing_ref": foreknowing_makespan(times, slots, slow) / ideal,
             "static_ref": static_makespan(times, slots, slow) / ideal}
 

@@ -120,14 +120,10 @@ def continuation_case(work: Path, prompts: int, servers: int = 4) -> dict:
         for record in read_manifest(storage, job)["batches"]:
             for row in read_batch(storage, record):
                 newest[row["id"]] = row
-        # A continuation the end game moved to a faster GPU reuses, besides its prefix, what the
-        # slower GPU generated (metadata.gpus: each GPU's share, the last one's own).
-        moved = {pid: sum(share["tokens"] for share in newest[pid]["metadata"]["gpus"][:-1])
-                 for pid in truncated if "gpus" in newest[pid]["metadata"]}
         extended = sum(1 for pid, prefix in truncated.items()
                        if newest[pid]["token_ids"]["response"][:CUT] == prefix
-                       and newest[pid]["metadata"].get("continued_tokens")
-                       == CUT + moved.get(pid, 0))
+                       and _after_prefix(newest[pid]["metadata"]))
+        moved = [pid for pid in truncated if "gpus" in newest[pid]["metadata"]]
     n = len(truncated)
     return {"prompts": prompts, "reopened": n, "regenerate_s": regenerate_s,
             "s_per_10k": regenerate_s * 10_000 / n,
@@ -138,6 +134,16 @@ def continuation_case(work: Path, prompts: int, servers: int = 4) -> dict:
             "seed_bytes": SEED_ROWS * max(0.0, (used1 - used0) / n),
             "seed_old_bytes": SEED_ROWS * statistics.mean(entry_bytes),
             "seed_regenerate_s": regenerate_s * SEED_ROWS / n}
+
+
+def _after_prefix(meta: dict) -> bool:
+    """A continued row counts its prefix of CUT tokens as continued, and every token after it
+    once: made in one request (continued_tokens CUT), or, moved by the end game or made in
+    rounds, in shares (metadata.gpus) that add up to what follows the prefix."""
+    if "gpus" not in meta:
+        return meta.get("continued_tokens") == CUT
+    return meta.get("continued_tokens", 0) >= CUT and \
+        CUT + sum(share["tokens"] for share in meta["gpus"]) == meta["completion_tokens"]
 
 
 def _fill_unacked(r: redis.Redis, n: int, job: str, gpus: list[str]) -> None:
@@ -279,6 +285,7 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
             wait_until(lambda: r.hget(JobName(job).config, "status") == b"done", timeout=1800,
                        interval=0.5, what="the continuation round")
         counters = {k.decode(): int(v) for k, v in r.hgetall(JobName(job).counters).items()}
+        rounds = measure.round_figures(r, tps)
         storage = LocalStorage(root / "output")
         newest = {}
         for record in read_manifest(storage, job)["batches"]:
@@ -293,9 +300,10 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
     generated = sum(s.final["completion_tokens"] for s in poller.series)
     return {"prompts": prompts, "continued": len(continued), "ideal_s": ideal,
             "makespan_s": fig.makespan, "ratio": fig.makespan / ideal, "occupancy": fig.occupancy,
-            **measure.references(work_s, [slots] * servers, slow, ideal),
+            **measure.references(work_s, [slots] * servers, slow, ideal, **rounds),
             "longest_s": max(work_s), "migrated": counters.get("migrated", 0),
             "migrated_tokens": counters.get("migrated_tokens", 0),
+            "rounds": counters.get("rounds", 0), "round_tokens": counters.get("round_tokens", 0),
             "tokens_lost": generated - sum(row["metadata"]["completion_tokens"] - CUT
                                            for row in continued),
             "regenerate_output": out[-1000:]}

@@ -292,7 +292,9 @@ def check_abort_and_continue(s: Served) -> None:
 
     messages = [{"role": "user", "content": "Count slowly, one number at a time."}]
     greedy = {"temperature": 0, **({"ignore_eos": True} if s.kind == "real" else {})}
+    started = time.monotonic()
     whole = fresh_chat(s, messages, ABORT_TOKENS, **greedy)["choices"][0]
+    whole_s = time.monotonic() - started
     whole_ids = whole["response_token_ids"]
     assert len(whole_ids) > 100, len(whole_ids)
     got: dict = {}
@@ -300,7 +302,9 @@ def check_abort_and_continue(s: Served) -> None:
     running = threading.Thread(target=lambda: got.update(
         answer=fresh_chat(s, messages, ABORT_TOKENS, rid=rid, **greedy)))
     running.start()
-    time.sleep(0.5)  # it runs: the whole generation takes seconds on either server
+    # Half-way through, by this server's own time for the whole generation a moment ago (a fixed
+    # delay would abort too early on a slow machine, or after the end on a fast one).
+    time.sleep(whole_s / 2)
     aborted = httpx.post(s.url + "/abort_request", json={"rid": rid}, timeout=30)
     assert aborted.status_code == 200 and aborted.content == b"", (aborted.status_code, aborted.text)
     running.join(timeout=120)

@@ -99,6 +99,9 @@ def test_long_generations_on_a_slow_gpu_finish_on_the_fast_one_as_one_row(cluste
     one an uninterrupted generation gives (compared id for id with a third server's), counted
     once, its metadata naming both GPUs and their shares."""
     c = cluster()
+    # The moves alone: the end game's rounds (on by default; tests/test_rounds.py) would cut
+    # these generations at 1,024 tokens and continue them wherever a slot frees up first.
+    c.env["DFLASH_ENDGAME_ROUND_TOKENS"] = "0"
     sim = ("--slots", "4", "--decode-tps", "600", "--fixed-tokens", "1500")
     c.start_server(0, *sim)
     c.start_server(1, *sim, "--slow-factor", "4")

@@ -148,11 +148,14 @@ def test_regenerate_continues_truncated_rows_after_raising_the_cap(cluster, tmp_
             (want.completion_tokens, want.finish_reason), pid
         assert len(row["token_ids"]["response"]) == meta["completion_tokens"]
     # Each reuses the 4,096 tokens of its truncated row; one the end game moved to a faster GPU
-    # meanwhile (metadata.gpus) reuses what the slower one generated besides.
+    # or made in rounds meanwhile names the shares of what follows (metadata.gpus).
     for pid in cut:
         meta = newest[pid]["metadata"]
-        moved = sum(share["tokens"] for share in meta.get("gpus", [])[:-1])
-        assert meta["continued_tokens"] == 4096 + moved, (pid, meta)
+        if "gpus" in meta:
+            assert meta["continued_tokens"] >= 4096, (pid, meta)
+            assert 4096 + sum(g["tokens"] for g in meta["gpus"]) == meta["completion_tokens"], meta
+        else:
+            assert meta["continued_tokens"] == 4096, (pid, meta)
 
     # A continued row is the same as one generation at the new cap: ids, reasoning and answer.
     one = newest[cut[0]]

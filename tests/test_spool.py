@@ -414,11 +414,15 @@ def test_a_long_outage_keeps_redis_flat_then_every_row_ships_once(cluster, moto,
     assert during["dispatch_held"] is None and "s3://" in during["storage_error"]["error"]
     assert during["s3_uploaded"] == 0 and during["spooled_batches"] >= last
     # The bound, stated against what this run did (a slow machine seals later, and more rows
-    # wait meanwhile): the stream never holds more than the rows that finished between two
-    # batches leaving Redis, and one batch more. Rows the outage kept in Redis would pile up
-    # over forty batches, far beyond it.
+    # wait meanwhile): the stream holds what finished between two batches leaving Redis, and a
+    # batch more, or, while rows finish in a burst faster than beat seals them (the end game's
+    # rounds end many generations together), a few ticks' worth: never more than a quarter of
+    # what went through it. Rows the outage kept in Redis would pile up over forty batches, all
+    # of it.
     between = max(b[1] - a[1] for a, b in zip(seals, seals[1:]))
-    assert max(lengths) <= between + rows, (max(lengths), between, lengths)
+    passed_rows = seals[-1][1] - seals[0][1]
+    bound = max(between + rows, passed_rows // 4)
+    assert max(lengths) <= bound, (max(lengths), between, passed_rows, lengths)
     spool_dir = blocker / "spool" / "flat"
     assert len(list(spool_dir.glob("batch-*.jsonl.zst"))) >= last
 
@@ -429,12 +433,13 @@ def test_a_long_outage_keeps_redis_flat_then_every_row_ships_once(cluster, moto,
         manifest, _ = assert_shipped_exactly_once(c, st, "flat", ids)
         names = [b["name"] for b in manifest["batches"]]
         window = manifest["batches"][first:last]  # every batch was spooled, in name order
-        passed = sum(len(zstandard.ZstdDecompressor().decompress(st.get(b["key"]))) for b in window)
+        sizes = [len(zstandard.ZstdDecompressor().decompress(st.get(b["key"]))) for b in window]
     finally:
         proxy.stop()
-    # The same in bytes: the stream's memory within those rows' share of what went through it.
-    per_row = passed / ((last - first) * rows)
-    assert max(memory) <= 1.5 * (between + rows) * per_row, (max(memory), between, per_row)
+    # The same in bytes, each row priced at the batch of the largest rows (in rounds the long
+    # generations end together, late).
+    per_row = max(sizes) / rows
+    assert max(memory) <= 1.5 * bound * per_row, (max(memory), bound, per_row)
     assert names == sorted(names) and list(spool_dir.glob("*")) == []
     assert all(b["location"].startswith("s3://") and "spool" not in b for b in manifest["batches"])
     final = c.status("flat")

@@ -111,6 +111,14 @@ class Settings(BaseSettings):
     endgame_faster_ratio: float = Field(1.15, gt=1.0)
     speed_average_weight: float = Field(0.05, gt=0.0, le=1.0)
     migration_order_lapse_s: float = Field(60.0, gt=0.0)
+    # The end game in rounds (dispatch/window.py's round_cap): once fewer prompts are pending
+    # than endgame_rounds_depth per request the job's GPUs run at once, a request runs at most
+    # endgame_round_tokens further; one cut there goes on from its exact tokens in a later
+    # round, behind the prompts not started yet. Each round costs a request and the prefill of
+    # what the generation has (its server's prefix cache holds it when it stays there).
+    # endgame_round_tokens 0: no rounds.
+    endgame_round_tokens: int = Field(1024, ge=0)
+    endgame_rounds_depth: float = Field(10.0, ge=0.0)
 
     # Warm shutdown (SIGTERM): requests in flight get this long to finish, then they are aborted
     # on the server and handed over with their partial output, which another GPU continues (0:

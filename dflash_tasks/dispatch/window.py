@@ -1,9 +1,10 @@
 """A GPU's window of a job in Redis, and every decision about where a prompt runs: take (top the
 window up from pending and publish the messages, with the end game: steal from slower GPUs'
 queues, leave the last prompts to faster ones, order a running generation moved), recall,
-drop a settled prompt, and hand a moved generation over. Each decision is a script in `lua/`;
-its thresholds are settings passed in (core/settings.py: endgame_faster_ratio,
-migration_order_lapse_s)."""
+drop a settled prompt, hand a moved generation over, and the end game's rounds (how far a
+request may run, and the next round of one cut there). Each decision is a script in `lua/` or a
+function here; its thresholds are settings passed in (core/settings.py: endgame_faster_ratio,
+migration_order_lapse_s, endgame_round_tokens, endgame_rounds_depth)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -26,6 +27,7 @@ TAKE = Script(__file__, "take")
 RECALL = Script(__file__, "recall")
 DROP_SETTLED = Script(__file__, "drop_settled")
 HAND_OVER = Script(__file__, "hand_over")
+NEXT_ROUND = Script(__file__, "next_round")
 
 
 def take(r: redis.Redis, s: Settings, job: JobName, gpu: GpuName, window: int, *, task: str,
@@ -88,6 +90,34 @@ def hand_over(r: redis.Redis, job: JobName, prompt_id: str, source: str, target:
                           pending=job.pending, counters=job.counters, config=job.config,
                           id=prompt_id, entry=entry, source=source, target=target or "",
                           tokens=tokens))
+
+
+# -- the end game in rounds --------------------------------------------------------------------
+
+def round_cap(s: Settings, max_tokens: int, generated: int, pending: int, slots: int, *,
+              overflows: bool = False) -> int:
+    """How many output tokens in all a request may reach: the job's cap, or, once fewer
+    prompts are pending than endgame_rounds_depth per request the job's GPUs run at once
+    (`slots`), one round (endgame_round_tokens) more than it has. Without rounds, a long
+    generation started in the last minutes decides the end of the run, and which ones are long
+    shows only once they have run; in rounds, every prompt is started before any goes on, the
+    long ones show themselves after a round and go on while the rest is still pending, and the
+    last starts are a round long at most (benchmarks, cases 7 and 13). `overflows`: the prompt
+    and the job's cap exceed the model's context; the request asks for the whole cap, so the
+    server refuses it in its own words, as it would without rounds."""
+    if s.endgame_round_tokens <= 0 or overflows or pending >= s.endgame_rounds_depth * slots:
+        return max_tokens
+    return min(max_tokens, generated + s.endgame_round_tokens)
+
+
+def next_round(r: redis.Redis, job: JobName, prompt_id: str, gpu: GpuName, entry: bytes,
+               tokens: int) -> bool:
+    """A generation cut at its round's end on `gpu`: its entry now the one that goes on from
+    there, to the back of pending (next_round.lua). False when the prompt left `gpu` meanwhile
+    (nothing moved)."""
+    return bool(NEXT_ROUND(r, inflight=job.inflight(gpu), prompts=job.prompts,
+                           pending=job.pending, counters=job.counters, config=job.config,
+                           id=prompt_id, entry=entry, tokens=tokens))
 
 
 def migrations(r: redis.Redis, gpu: GpuName, timeout_s: float) -> tuple[str, str] | None:

@@ -61,6 +61,10 @@ class TaskState:
     # reference), not the {messages, continue} of a regenerated one: the index of rows by finish
     # reason keeps it as it is (Ledger.complete).
     bare_entry: bytes | None = None
+    # How many prompts of the job are pending, and how many GPUs it has dispatched to: whether
+    # the end game's rounds have begun (dispatch/window.py's round_cap).
+    pending: int = 0
+    job_gpus: int = 0
 
     @property
     def stored(self) -> bool:
@@ -146,18 +150,23 @@ class Ledger:
         pipe.hexists(job.failed, prompt_id)
         pipe.zscore(job.inflight(gpu), prompt_id)
         pipe.zrem(job.retrying(gpu), prompt_id)  # running now: its retry no longer waits
-        (params, location), entry, done, failed, here, _ = pipe.execute()
+        pipe.llen(job.pending)
+        pipe.scard(job.gpus)
+        (params, location), entry, done, failed, here, _, pending, job_gpus = pipe.execute()
         flags = dict(params=json.loads(params) if params else None, done=bool(done),
-                     failed=bool(failed), in_flight_here=here is not None)
+                     failed=bool(failed), in_flight_here=here is not None, pending=pending,
+                     job_gpus=job_gpus)
         if entry and bodies.is_reference(entry):
             return TaskState(messages=None, body_reference=entry, bare_entry=entry,
                              body_location=location.decode() if location else None, **flags)
         decoded = decode_messages(entry) if entry else None
         # A regenerated prompt is stored as {"messages", "continue"?} (reopen.lua), a new one as
-        # its bare list of messages.
+        # its bare list of messages; a generation moved or between rounds keeps the reference of
+        # a text on storage ("reference"), which the index of rows keeps as the prompt's entry.
         if isinstance(decoded, dict):
+            reference = decoded.get("reference")
             return TaskState(messages=decoded["messages"], continuation=decoded.get("continue"),
-                             **flags)
+                             bare_entry=reference.encode() if reference else None, **flags)
         return TaskState(messages=decoded, bare_entry=entry or None, **flags)
 
     def reopen(self, job: JobName, ended: EndedRow, entry: str | bytes,

@@ -18,6 +18,7 @@ import time
 from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.core.keys import GpuName
 from dflash_tasks.sglang import Completion, ServerContract
+from dflash_tasks.sglang.continuation import with_share
 
 
 def status_for(finish_reason: str) -> str:
@@ -53,9 +54,8 @@ def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, 
     }
     if c.continued_tokens:  # the first tokens come from an earlier, truncated row
         row["metadata"]["continued_tokens"] = c.continued_tokens
-    if c.worked:  # moved here from slower GPUs: each one's share of the output
-        row["metadata"]["gpus"] = [*c.worked,
-                                   {"gpu": gpu, "tokens": c.completion_tokens - c.continued_tokens}]
+    if c.worked:  # moved here from other GPUs, or made in rounds: each GPU's share of the output
+        row["metadata"]["gpus"] = with_share(c.worked, gpu, c.completion_tokens - c.continued_tokens)
     if c.prompt_token_ids is not None and c.response_token_ids is not None:
         row["token_ids"] = {"prompt": c.prompt_token_ids, "response": c.response_token_ids}
     return row

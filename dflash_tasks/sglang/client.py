@@ -93,6 +93,7 @@ class SGLangClient:
     _http: httpx.Client = field(init=False, repr=False)
     _model: str | None = field(default=None, init=False, repr=False)
     _contract: ServerContract | None = field(default=None, init=False, repr=False)
+    _context: int | None = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +143,18 @@ class SGLangClient:
         except (KeyError, IndexError, TypeError):
             raise ServerInfoUnreadable(f"/v1/models lists no model: {str(data)[:200]}",
                                        url=self.base_url) from None
+
+    def context_length(self) -> int | None:
+        """The model's context length in tokens (/v1/models' max_model_len), None when the
+        server does not say. Cached, as the name."""
+        with self._lock:
+            if self._context is None:
+                data = self._get_identity("/v1/models")
+                try:
+                    self._context = int(data["data"][0]["max_model_len"])
+                except (KeyError, IndexError, TypeError, ValueError):
+                    self._context = 0
+            return self._context or None
 
     def identity_ok(self) -> bool:
         """Whether the URL answers as the SGLang this client first met: /server_info readable and

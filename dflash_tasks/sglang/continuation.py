@@ -35,14 +35,16 @@ def entry_from_row(row: dict, *, continue_output: bool) -> dict:
 
 
 def continue_generation(client: SGLangClient, cont: dict, params: GenerationParams,
-                        rid: str) -> Completion:
-    """Generate the rest of a truncated (or moved: generate.py) output up to params.max_tokens
-    in all, and return the whole completion as if it had been generated in one request. Aborted
-    on the server, it raises RequestAborted whose partial is the whole so far, in the same form."""
+                        rid: str, *, until: int | None = None) -> Completion:
+    """Generate the rest of a truncated (or moved, or cut at a round's end: generate.py) output
+    up to `until` tokens in all (params.max_tokens by default), and return the whole completion
+    as if it had been generated in one request. Aborted on the server, it raises RequestAborted
+    whose partial is the whole so far, in the same form."""
     old_ids = cont["response_ids"]
-    budget = params.max_tokens - len(old_ids)
+    cap = params.max_tokens if until is None else until
+    budget = cap - len(old_ids)
     if budget <= 0:
-        raise ValueError(f"max_tokens {params.max_tokens} leaves nothing to continue after "
+        raise ValueError(f"max_tokens {cap} leaves nothing to continue after "
                          f"{len(old_ids)} tokens")
     try:
         g = client.generate(cont["prompt_ids"] + old_ids, max_new_tokens=budget,
@@ -80,13 +82,28 @@ def _joined(client: SGLangClient, cont: dict, g: Generation) -> Completion:
         worked=tuple(cont.get("gpus") or ()))
 
 
+def with_share(worked, gpu: GpuName, tokens: int) -> list[dict]:
+    """The GPUs that worked on an output, in order, with `gpu`'s share of `tokens` added (to its
+    entry when it made the last part too: rounds in a row on one GPU are one share)."""
+    out = [dict(w) for w in worked]
+    if out and out[-1]["gpu"] == gpu:
+        out[-1]["tokens"] += tokens
+    else:
+        out.append({"gpu": gpu, "tokens": tokens})
+    return out
+
+
 def entry_from_partial(messages: list[dict], partial: Completion, gpu: GpuName,
-                       enable_thinking: bool) -> dict:
-    """The prompt entry that moves a generation aborted on `gpu` to another GPU: what it had
-    generated there (its exact ids, its texts) to go on from, and which GPUs made how much."""
-    return {"messages": messages, "continue": {
+                       enable_thinking: bool, body_reference: bytes | None = None) -> dict:
+    """The prompt entry that takes a generation stopped on `gpu` (aborted to move it, or cut at
+    the end of a round) further: what it had generated there (its exact ids, its texts) to go
+    on from, and which GPUs made how much (one entry for rounds in a row on the same GPU). A
+    prompt whose text is kept on storage keeps its reference, for the index of rows by finish
+    reason (ledger/bodies.py)."""
+    worked = with_share(partial.worked, gpu, partial.completion_tokens - partial.continued_tokens)
+    return {"messages": messages, **({"reference": body_reference.decode()} if body_reference else {}),
+            "continue": {
         "prompt_ids": partial.prompt_token_ids, "response_ids": partial.response_token_ids,
         "content": partial.content, "reasoning_content": partial.reasoning_content,
         "reasoning_tokens": partial.reasoning_tokens, "enable_thinking": enable_thinking,
-        "gpus": [*partial.worked,
-                 {"gpu": gpu, "tokens": partial.completion_tokens - partial.continued_tokens}]}}
+        "gpus": worked}}

@@ -25,7 +25,9 @@ What each failure does (docs/WHEN_THINGS_FAIL.md has the operator's side):
   flight gets `shutdown_grace_s` (0 by default), then is aborted, and what it had generated goes
   back to pending with the prompt, to be continued on another GPU (`_hand_over`);
 - the end game: a generation on a GPU measurably slower than one with a free slot, once nothing
-  else waits, is aborted here and continued there from its exact tokens (`_hand_over`).
+  else waits, is aborted here and continued there from its exact tokens (`_hand_over`); and
+  near the end a request runs one round at most (dispatch/window.py's round_cap), and one cut
+  there goes on from its exact tokens in a later round (`_next_round`).
 
 `attempts` counts requests actually sent for the prompt in this round; it travels in the task's
 kwargs (`tries` = failed requests so far), not in Celery's retry count, which also counts the
@@ -59,6 +61,8 @@ from dflash_tasks.output.storage import (
     storage_at,
 )
 from dflash_tasks.sglang import (
+    BadResponse,
+    Completion,
     DeploymentError,
     InvalidRequest,
     PermanentError,
@@ -153,21 +157,37 @@ def _generate(self, job: JobName, prompt_id: str, gpu: GpuName, tries: int) -> d
     # Unique per request (SGLang keys its running requests by rid), so a stray second delivery
     # never collides with the first; `abort` uses the exact rid.
     rid = f"{job}:{prompt_id}:{attempt}:{uuid.uuid4().hex[:12]}"
+    # regenerate --continue, a move, a round: only the missing tokens; unless the cap was lowered
+    # since to what the output already has, and it is generated anew at the job's cap
+    cont = state.continuation
+    continuing = cont is not None and len(cont["response_ids"]) < params.max_tokens
     try:
+        cap = window.round_cap(
+            s, params.max_tokens, len(cont["response_ids"]) if continuing else 0, state.pending,
+            (runtime().concurrency or s.default_concurrency) * max(1, state.job_gpus),
+            overflows=continuing and _overflows(client, len(cont["prompt_ids"]), params))
         server = client.contract()  # learnt at the worker's start (hooks.py), then cached
         with shutdown.tracked(rid, lambda: client.abort(rid)):
-            # regenerate --continue: only the missing tokens; unless the cap was lowered since
-            # to what the output already has, and it is generated anew at the job's cap
-            if state.continuation and len(state.continuation["response_ids"]) < params.max_tokens:
-                completion = continue_generation(client, state.continuation, params, rid)
+            if continuing:
+                completion = continue_generation(client, cont, params, rid, until=cap)
             else:
-                completion = client.chat(messages, max_tokens=params.max_tokens,
+                completion = client.chat(messages, max_tokens=cap,
                                          temperature=params.temperature, top_p=params.top_p,
                                          top_k=params.top_k,
                                          enable_thinking=params.enable_thinking, rid=rid)
+        # Cut at the end of its round, it goes on in the next. So does one whose prompt and the
+        # job's cap overflow the context: the next request asks for the whole cap, which the
+        # server refuses in its own words, as it would have the first without rounds.
+        next_round = cap < params.max_tokens and (
+            completion.finish_reason == "length"
+            or _overflows(client, completion.prompt_tokens, params))
+        if next_round and completion.response_token_ids is None:
+            raise BadResponse("cut at the end of its round without the token ids to go on from"
+                              " (return_token_ids)", url=client.base_url)
     except TransientError as exc:
         if isinstance(exc, RequestAborted) and exc.partial is not None and \
-                (moved := _hand_over(job, prompt_id, gpu, messages, exc.partial, params)):
+                (moved := _hand_over(job, prompt_id, gpu, messages, exc.partial, params,
+                                     _kept_reference(state))):
             return moved
         if exc.reason == "timeout":
             client.abort(rid)  # or the server keeps decoding for nobody
@@ -198,6 +218,9 @@ def _generate(self, job: JobName, prompt_id: str, gpu: GpuName, tries: int) -> d
             circuit.record_permanent(exc.reason, str(exc))
         _fail(job, prompt_id, gpu, exc, attempt)
     circuit.record_success()
+    if next_round:
+        return _next_round(job, prompt_id, gpu, messages, completion, params,
+                           _kept_reference(state))
     row = build_row(prompt_id, messages, completion, job=job, gpu=gpu, params=params,
                     attempts=attempt, server=server)
     recorded = durable("recording the row",
@@ -263,8 +286,15 @@ def _readable(storage, job: JobName, reference: bytes) -> bool:
         return False
 
 
+def _kept_reference(state) -> bytes | None:
+    """The reference of a prompt whose text is on storage, kept by the entry of a generation
+    moved or between rounds: only the prompt's own (not that of a regenerated entry's chunk)."""
+    bare = state.bare_entry
+    return bare if bare is not None and bodies.is_reference(bare) else None
+
+
 def _hand_over(job: JobName, prompt_id: str, gpu: GpuName, messages: list[dict], partial,
-               params: GenerationParams) -> dict | None:
+               params: GenerationParams, body_reference: bytes | None) -> dict | None:
     """A generation aborted here with its partial output, to go on elsewhere from its exact
     tokens: ordered moved to a faster GPU at the end of the run (take.lua, worker/migration.py),
     or this worker is stopping (then back to the front of pending, for the job's other GPUs).
@@ -275,7 +305,7 @@ def _hand_over(job: JobName, prompt_id: str, gpu: GpuName, messages: list[dict],
     target = None if stopping else window.migration_target(book.r, job, prompt_id, gpu)
     if target is None and not stopping:
         return None
-    entry = entry_from_partial(messages, partial, gpu, params.enable_thinking)
+    entry = entry_from_partial(messages, partial, gpu, params.enable_thinking, body_reference)
     tokens = partial.completion_tokens - partial.continued_tokens
     frame = compress_messages_json(json.dumps(entry, separators=(",", ":")).encode())
     if not durable("handing the generation over", window.hand_over, book.r, job, prompt_id, gpu,
@@ -287,6 +317,26 @@ def _hand_over(job: JobName, prompt_id: str, gpu: GpuName, messages: list[dict],
     log.info("prompt %s: %d tokens generated on %s, continued on %s", prompt_id, tokens, gpu,
              target or "another GPU (this worker stops)")
     return {"id": prompt_id, "moved_to": target or "pending", "tokens": tokens}
+
+
+def _overflows(client, prompt_tokens: int, params: GenerationParams) -> bool:
+    """The prompt and the job's cap exceed the model's context (the server's own check)."""
+    context = client.context_length()
+    return context is not None and prompt_tokens + params.max_tokens > context
+
+
+def _next_round(job: JobName, prompt_id: str, gpu: GpuName, messages: list[dict],
+                cut: Completion, params: GenerationParams, body_reference: bytes | None) -> dict:
+    """A generation cut at its round's end (window.round_cap): to the back of pending with its
+    exact tokens, for whichever GPU frees a slot to go on (next_round.lua)."""
+    book = runtime().book
+    entry = entry_from_partial(messages, cut, gpu, params.enable_thinking, body_reference)
+    tokens = cut.completion_tokens - cut.continued_tokens
+    frame = compress_messages_json(json.dumps(entry, separators=(",", ":")).encode())
+    if not durable("handing the generation to its next round", window.next_round, book.r, job,
+                   prompt_id, gpu, frame, tokens):
+        return {"id": prompt_id, "skipped": "no longer in flight here: not handed on"}
+    return {"id": prompt_id, "next_round": True, "tokens": tokens}
 
 
 def _refill(job: JobName, gpu: GpuName) -> None:
