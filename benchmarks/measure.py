@@ -249,6 +249,27 @@ def figures(series: list[ServerSeries]) -> RunFigures:
                       requests=sum(f["requests"] for f in finals))
 
 
+def ramp_s(series: list[ServerSeries]) -> float:
+    """Seconds of the whole system's slots lost while the run fills them at its start: each
+    server's idle slot-seconds from the first request anywhere until it first runs a full
+    batch, over all slots (Celery delivering the first windows; a fixed cost, which weighs in a
+    round of seconds and not in a day's run)."""
+    first = min(s.final["first_request_at"] for s in series if s.final["first_request_at"])
+    idle, slots = 0.0, 0
+    for s in series:
+        full, prev = s.final["slots"], None
+        slots += full
+        for now, _, running, _ in s.samples:
+            if now < first:
+                continue
+            if prev is not None:
+                idle += (full - prev[1]) * (now - prev[0])
+            if running >= full:
+                break
+            prev = (now, running)
+    return idle / slots
+
+
 # -- CPU time per process -----------------------------------------------------------------------
 
 def cpu_seconds(pid: int) -> float:

@@ -559,9 +559,11 @@ def _gaps(res: dict) -> list[str]:
         out.append(
             _endgame_gap("case 13", c13["ratio"], 1.10, c13)
             + f" A round of {c13['continued']:,} continuations on {4 * 40} slots is about"
-            f" {c13['continued'] / 160:.1f} per slot: the end is most of the round. The known part"
-            " (every row is long) is used: each goes to the front of pending; what is not known is"
-            " how much longer each will run.")
+            f" {c13['continued'] / 160:.1f} per slot, {c13['ideal_s']:.1f} s: the fixed costs"
+            " weigh. Filling the 160 slots at its start took the equivalent of"
+            f" {c13.get('ramp_s', 0):.2f} s of the whole system ({c13.get('ramp_s', 0) / c13['ideal_s']:.1%}"
+            " of the ideal: Celery delivering the first windows), and every request prefills what"
+            " its generation has (4,096 tokens and more), which the ideal does not count.")
     c6 = res.get("case6")
     if c6 and (c6["ids_doubled"] or c6["ids_missing"] or c6["ids_unknown"]
                or c6["memory_peak_during"] - c6["memory_before"] > c6["batch_rows"] * c6["mean_row_bytes"]):

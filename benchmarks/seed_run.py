@@ -243,7 +243,7 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
     """Case 13: the seed run's second round. `prompts` prompts whose outputs are long (the
     simulated servers' median set to 7,000 tokens) generated at a cap of 4,096, nearly all cut;
     the cap raised to 8,192 and `regenerate --continue`, on fresh servers, one of them
-    `slow_factor` times slower. The round's makespan, from the first continuation to the last
+    `slow_factor` times slower, with their workers up. The round's makespan, from the first continuation to the last
     answer, against the ideal computed from its rows (the work each row's continuation cost: the
     tokens it added at the servers' decode speed; spread over every slot at its speed, or the
     longest one on a fastest server), beside a zero-overhead dispatcher without moves."""
@@ -274,14 +274,16 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
         c.children[1:] = []
         c.servers.clear()
         c.manage("set", "--job", job, "--max-output-tokens", "8192", capture=True)
-        out = c.manage("regenerate", "--job", job, "--finish-reason", "length", "--continue",
-                       capture=True).stdout
         extra = {i: ["--slow-factor", f"{f:g}"] for i, f in enumerate(slow) if f != 1.0}
         urls = c.start_servers(servers, long_outputs, extra_args=extra)
+        # The deployment is up when the operator starts the round, as it stays between rounds:
+        # the round's makespan is the end game's, not the workers' start.
+        c.start_workers()
+        c.start_beat()
         log(f"case 13: the continuation round on {servers} servers, one {slow_factor:g}x slower")
         with measure.ServerPoller(urls) as poller:
-            c.start_workers()
-            c.start_beat()
+            out = c.manage("regenerate", "--job", job, "--finish-reason", "length", "--continue",
+                           capture=True).stdout
             wait_until(lambda: r.hget(JobName(job).config, "status") == b"done", timeout=1800,
                        interval=0.5, what="the continuation round")
         counters = {k.decode(): int(v) for k, v in r.hgetall(JobName(job).counters).items()}
@@ -291,6 +293,8 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
         for record in read_manifest(storage, job)["batches"]:
             for row in read_batch(storage, record):
                 newest[row["id"]] = row
+    (root / "server-samples.json").write_text(json.dumps(
+        {s.url: {"samples": s.samples, "final": s.final} for s in poller.series}))
     # Every row of the round (a moved one kept more than the cut: its tokens from before the move)
     continued = [row for _, row in sorted(newest.items())  # in the dataset's order
                  if (row["metadata"].get("continued_tokens") or 0) >= CUT]
@@ -300,6 +304,7 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
     generated = sum(s.final["completion_tokens"] for s in poller.series)
     return {"prompts": prompts, "continued": len(continued), "ideal_s": ideal,
             "makespan_s": fig.makespan, "ratio": fig.makespan / ideal, "occupancy": fig.occupancy,
+            "ramp_s": measure.ramp_s(poller.series),
             **measure.references(work_s, [slots] * servers, slow, ideal, **rounds),
             "longest_s": max(work_s), "migrated": counters.get("migrated", 0),
             "migrated_tokens": counters.get("migrated_tokens", 0),

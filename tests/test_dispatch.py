@@ -187,13 +187,23 @@ def test_take_lua_and_the_python_selection_agree(redis_url, gpus, nodes):
 
 
 def test_the_last_prompts_go_to_gpus_measurably_faster_while_they_are_alive(redis_url, dispatch):
-    """The end game on unequal servers (issue 18): complete.lua keeps each GPU's request speed;
-    once the prompts left are fewer than the faster GPUs start in the time the slower one's
-    slowness costs (window x (speed ratio - 1) each), the slower GPU takes none of them, unless
-    those GPUs are gone (stale heartbeat) or their breaker is open; and once none is left, a
-    faster GPU takes from a slower one's queue."""
+    """The end game on unequal servers (issue 18) without rounds: complete.lua keeps each GPU's
+    request speed; once the prompts left are fewer than the faster GPUs start in the time the
+    slower one's slowness costs (window x (speed ratio - 1) each), the slower GPU takes none of
+    them, unless those GPUs are gone (stale heartbeat) or their breaker is open; and once none
+    is left, a faster GPU takes from a slower one's queue. In rounds (the deployed settings)
+    what is left is a round at most, and the slower GPU keeps taking it."""
+    from dflash_tasks import dispatch as module
     from dflash_tasks.core.keys import BREAKERS, WORKERS_SEEN, JobName
+    from dflash_tasks.core.settings import Settings
     from dflash_tasks.ledger import Ledger
+    from dflash_tasks.tasks.app import app
+
+    rounds = dispatch
+    # Rounds off (DFLASH_ENDGAME_ROUND_TOKENS=0): the rule this test is about.
+    plain = Settings(redis_url=redis_url, endgame_round_tokens=0)
+    book_plain = Ledger(redis.Redis.from_url(redis_url))
+    dispatch = SimpleNamespace(topup=lambda job, gpu: module.topup(app, book_plain, plain, JobName(job), gpu))
 
     r, book, k = redis.Redis.from_url(redis_url), Ledger(redis.Redis.from_url(redis_url)), JobName("end")
     setup_job(r, "end", 40, gpus=3, concurrency=4)  # windows of 6
@@ -211,6 +221,11 @@ def test_the_last_prompts_go_to_gpus_measurably_faster_while_they_are_alive(redi
     # gpu0 and gpu1 start 4 x (1000 / 500 - 1) = 4 prompts each while gpu2's slowness costs.
     r.ltrim(k.pending, 0, 7)
     assert dispatch.topup("end", g(2)) == 0
+    before = {m.decode() for m in r.zrange(k.inflight(g(2)), 0, -1)}
+    assert len(before) < 6 and rounds.topup("end", g(2)) == 6 - len(before)  # in rounds: taken
+    taken = {m.decode() for m in r.zrange(k.inflight(g(2)), 0, -1)} - before
+    r.zrem(k.inflight(g(2)), *taken)                         # back as they were, for the rest
+    r.rpush(k.pending, *sorted(taken))
     r.hset(BREAKERS, g(0), json.dumps({"state": "open"}))   # gpu0's server is failing: the
     r.ltrim(k.pending, 0, 3)                                 # 4 left are gpu1's alone
     assert dispatch.topup("end", g(2)) == 0

@@ -117,7 +117,7 @@ class Settings(BaseSettings):
     # round, behind the prompts not started yet. Each round costs a request and the prefill of
     # what the generation has (its server's prefix cache holds it when it stays there).
     # endgame_round_tokens 0: no rounds.
-    endgame_round_tokens: int = Field(1024, ge=0)
+    endgame_round_tokens: int = Field(2048, ge=0)
     endgame_rounds_depth: float = Field(10.0, ge=0.0)
 
     # Warm shutdown (SIGTERM): requests in flight get this long to finish, then they are aborted

@@ -37,14 +37,16 @@ def take(r: redis.Redis, s: Settings, job: JobName, gpu: GpuName, window: int, *
     Nothing when the job's GPU selection does not allow `gpu`, nor while dispatch is held (the
     job's batches can go nowhere, or Redis is near its maxmemory), nor, at the very end of the
     run, on a GPU measurably slower than others that are alive (a heartbeat within
-    worker_gone_after_s) and will free a slot sooner. Returns the ids taken."""
+    worker_gone_after_s) and will free a slot sooner, unless the end game runs in rounds.
+    Returns the ids taken."""
     ids = TAKE(r, config=job.config, pending=job.pending, inflight=job.inflight(gpu), gpus=job.gpus,
                queue=gpu, hold=job.hold, memory_hold=MEMORY_HOLD, speed=job.speed,
                seen=WORKERS_SEEN, workers=WORKERS, breakers=BREAKERS, migrating=job.migrating,
                window=window, job=job, gpu=gpu, task=task, origin=origin, reply_to=reply_to,
                inflight_prefix=job.inflight(""), alive_s=s.worker_gone_after_s,
                migrations_prefix=MIGRATIONS, retrying_prefix=job.retrying(""),
-               faster_ratio=s.endgame_faster_ratio, order_lapse_s=s.migration_order_lapse_s)
+               faster_ratio=s.endgame_faster_ratio, order_lapse_s=s.migration_order_lapse_s,
+               rounds=int(s.endgame_round_tokens > 0))
     return [_s(i) for i in ids]
 
 

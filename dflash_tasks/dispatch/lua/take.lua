@@ -1,12 +1,13 @@
 -- Top one GPU's window up: move ids from pending to that GPU's in-flight set, and publish their
 -- Celery task messages onto its queue.
 --- keys: config pending inflight gpus queue hold memory_hold speed seen workers breakers migrating
---- args: window job gpu task origin reply_to inflight_prefix alive_s migrations_prefix retrying_prefix faster_ratio order_lapse_s
+--- args: window job gpu task origin reply_to inflight_prefix alive_s migrations_prefix retrying_prefix faster_ratio order_lapse_s rounds
 -- inflight, queue: the GPU's; hold, speed, migrating: the job's; memory_hold: Redis's; seen,
 -- workers, breakers: the GPU registry's. migrations_prefix: a GPU's list of generations to hand
 -- over, less its name; retrying_prefix: a GPU's set of retries waiting, less its name;
 -- faster_ratio: how much faster (1.15: 15%) a GPU must be for the end game to favour it;
--- order_lapse_s: how long an order to move a generation stands.
+-- order_lapse_s: how long an order to move a generation stands; rounds: 1 when the end game runs
+-- in rounds (window.round_cap), 0 when it does not.
 -- Returns the ids taken; none unless the job is running, its GPU selection allows this GPU and
 -- no hold is set.
 --
@@ -201,7 +202,10 @@ local room = tonumber(window) - redis.call('ZCARD', inflight)
 if room <= 0 then
   return {}
 end
-if leave_to_faster(redis.call('LLEN', pending)) then
+-- In rounds, what is pending at the end is a round at most, and a slower GPU's round costs
+-- little more than a faster one's: it keeps taking them (leaving them to the faster GPUs would
+-- idle its slots for the whole of the last rounds); the moves take care of the very end.
+if rounds == '0' and leave_to_faster(redis.call('LLEN', pending)) then
   return {}
 end
 local ids = redis.call('LPOP', pending, room)
