@@ -8,6 +8,8 @@ not generated twice.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.core.keys import GpuName
 from dflash_tasks.sglang import Completion, Generation, RequestAborted, SGLangClient
@@ -82,7 +84,7 @@ def _joined(client: SGLangClient, cont: dict, g: Generation) -> Completion:
         worked=tuple(cont.get("gpus") or ()))
 
 
-def with_share(worked, gpu: GpuName, tokens: int) -> list[dict]:
+def with_share(worked: Sequence[dict], gpu: GpuName, tokens: int) -> list[dict]:
     """The GPUs that worked on an output, in order, with `gpu`'s share of `tokens` added (to its
     entry when it made the last part too: rounds in a row on one GPU are one share)."""
     out = [dict(w) for w in worked]
@@ -100,10 +102,12 @@ def entry_from_partial(messages: list[dict], partial: Completion, gpu: GpuName,
     on from, and which GPUs made how much (one entry for rounds in a row on the same GPU). A
     prompt whose text is kept on storage keeps its reference, for the index of rows by finish
     reason (ledger/bodies.py)."""
-    worked = with_share(partial.worked, gpu, partial.completion_tokens - partial.continued_tokens)
-    return {"messages": messages, **({"reference": body_reference.decode()} if body_reference else {}),
-            "continue": {
+    entry = {"messages": messages, "continue": {
         "prompt_ids": partial.prompt_token_ids, "response_ids": partial.response_token_ids,
         "content": partial.content, "reasoning_content": partial.reasoning_content,
         "reasoning_tokens": partial.reasoning_tokens, "enable_thinking": enable_thinking,
-        "gpus": worked}}
+        "gpus": with_share(partial.worked, gpu,
+                           partial.completion_tokens - partial.continued_tokens)}}
+    if body_reference is not None:
+        entry["reference"] = body_reference.decode()
+    return entry

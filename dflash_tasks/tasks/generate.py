@@ -50,7 +50,7 @@ from dflash_tasks.core.keys import GENERATE_TASK, GpuName, JobName
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.dispatch import publish, topup, window
 from dflash_tasks.dispatch.retry import RetryPolicy
-from dflash_tasks.ledger import bodies
+from dflash_tasks.ledger import TaskState, bodies
 from dflash_tasks.ledger.messages import compress_messages_json, decode_messages
 from dflash_tasks.output.rows import build_row
 from dflash_tasks.output.storage import (
@@ -67,6 +67,7 @@ from dflash_tasks.sglang import (
     InvalidRequest,
     PermanentError,
     RequestAborted,
+    SGLangClient,
     SGLangError,
     TransientError,
 )
@@ -286,7 +287,7 @@ def _readable(storage, job: JobName, reference: bytes) -> bool:
         return False
 
 
-def _kept_reference(state) -> bytes | None:
+def _kept_reference(state: TaskState) -> bytes | None:
     """The reference of a prompt whose text is on storage, kept by the entry of a generation
     moved or between rounds: only the prompt's own (not that of a regenerated entry's chunk)."""
     bare = state.bare_entry
@@ -319,7 +320,7 @@ def _hand_over(job: JobName, prompt_id: str, gpu: GpuName, messages: list[dict],
     return {"id": prompt_id, "moved_to": target or "pending", "tokens": tokens}
 
 
-def _overflows(client, prompt_tokens: int, params: GenerationParams) -> bool:
+def _overflows(client: SGLangClient, prompt_tokens: int, params: GenerationParams) -> bool:
     """The prompt and the job's cap exceed the model's context (the server's own check)."""
     context = client.context_length()
     return context is not None and prompt_tokens + params.max_tokens > context
