@@ -92,3 +92,15 @@ def kombu_entry(body: bytes, content_type: str, queue: str, task: str = "dflash_
 def pickled_task(queue: str, args: list) -> str:
     return kombu_entry(pickle.dumps((args, {}, {})), "application/x-python-serialize", queue,
                        args=args)
+
+
+def reference_ids(url: str, prompt: str, max_tokens: int) -> list[int]:
+    """The response ids of one uninterrupted generation of the prompt on a simulated server
+    (deterministic, as SGLang at temperature 0): what a moved row, or one made in rounds, must
+    equal id for id."""
+    body = {"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "return_token_ids": True,
+            "chat_template_kwargs": {"enable_thinking": True}, "separate_reasoning": True}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()[
+        "choices"][0]["response_token_ids"]
+

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis as redis_lib
 from conftest import write_jsonl
-from failure_support import check_books, counters, prompts
+from failure_support import check_books, counters, prompts, reference_ids
 from support import wait_until
 
 from dflash_tasks.core import jobs
@@ -83,15 +83,6 @@ def test_an_idle_fast_gpu_orders_the_last_generation_of_a_slower_one_moved(redis
     assert _take(book, "end", FAST, 8) == [] and not r.exists(k.migrating)
 
 
-def _reference_ids(url: str, prompt: str, max_tokens: int) -> list[int]:
-    """The response ids of an uninterrupted generation of the prompt."""
-    body = {"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "return_token_ids": True,
-            "chat_template_kwargs": {"enable_thinking": True}, "separate_reasoning": True}
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()[
-        "choices"][0]["response_token_ids"]
-
-
 @pytest.mark.timeout(400)
 def test_long_generations_on_a_slow_gpu_finish_on_the_fast_one_as_one_row(cluster, tmp_path):
     """Two servers, one 4 times slower; generations of 1,500 tokens. Once nothing waits, the
@@ -124,7 +115,7 @@ def test_long_generations_on_a_slow_gpu_finish_on_the_fast_one_as_one_row(cluste
         assert sum(g["tokens"] for g in meta["gpus"]) == meta["completion_tokens"] == 1500
         assert meta["gpu"] == c.gpu(0) and meta["continued_tokens"] == meta["gpus"][0]["tokens"]
         assert row["token_ids"]["response"] == \
-            _reference_ids(f"http://127.0.0.1:{reference}", asked[row["id"]], 4096), row["id"]
+            reference_ids(f"http://127.0.0.1:{reference}", asked[row["id"]], 4096), row["id"]
     snap = c.status("tail")
     assert snap["total_output_tokens"] == 1500 * len(rows)   # each token counted once
 

@@ -7,11 +7,10 @@ from a sequence exactly as it would have), counted once, its metadata naming the
 it and their shares; a cut at a round's end is never a row."""
 from __future__ import annotations
 
-import httpx
 import pytest
 import redis as redis_lib
 from conftest import write_jsonl
-from failure_support import check_books, counters, prompts
+from failure_support import check_books, counters, prompts, reference_ids
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import JobName
@@ -57,14 +56,6 @@ def test_a_generation_cut_at_its_rounds_end_goes_behind_the_prompts_not_started(
     assert (c["rounds"], c["round_tokens"]) == (1, 1024)
 
 
-def _reference_ids(url: str, prompt: str, max_tokens: int) -> list[int]:
-    body = {"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "return_token_ids": True,
-            "chat_template_kwargs": {"enable_thinking": True}, "separate_reasoning": True}
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()[
-        "choices"][0]["response_token_ids"]
-
-
 @pytest.mark.timeout(400)
 def test_a_job_in_rounds_gives_each_prompt_the_row_of_one_uninterrupted_generation(cluster,
                                                                                    tmp_path):
@@ -93,13 +84,15 @@ def test_a_job_in_rounds_gives_each_prompt_the_row_of_one_uninterrupted_generati
         # A cut at a round's end is never a row: `length` only at the job's cap.
         assert meta["finish_reason"] == "stop" or meta["completion_tokens"] == 6144, meta
         assert row["token_ids"]["response"] == \
-            _reference_ids(f"http://127.0.0.1:{reference}", asked[row["id"]], 6144), row["id"]
+            reference_ids(f"http://127.0.0.1:{reference}", asked[row["id"]], 6144), row["id"]
         assert len(row["token_ids"]["response"]) == meta["completion_tokens"]
-        if meta["completion_tokens"] > 2048:
+        # Every request of the job ran one round at most: a longer row was made in rounds (or
+        # moved, if the machine's noise made one GPU look slower), and names each GPU's share.
+        if "gpus" in meta or meta["completion_tokens"] > 2048:
             shares = meta["gpus"]
             assert sum(g["tokens"] for g in shares) == meta["completion_tokens"], shares
             # the tokens before its last request: whole rounds, or what it had when moved
-            assert 0 < meta["continued_tokens"] < meta["completion_tokens"]
+            assert 0 <= meta.get("continued_tokens", 0) < meta["completion_tokens"], meta
             assert all(a["gpu"] != b["gpu"] for a, b in zip(shares, shares[1:])), shares
         else:
             assert "gpus" not in meta and "continued_tokens" not in meta, meta
