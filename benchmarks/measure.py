@@ -64,8 +64,8 @@ def moving_makespan(times: list[float], slots: list[int], slow: list[float]) -> 
     started, a slot that frees up takes the running generation of a slower server that would
     end last, if it ends sooner here. It knows how long the running generations still run
     (the project only guesses: the newest dispatched), never how long a pending prompt will be:
-    the floor of any dispatcher that starts prompts in order without foreknowledge of lengths
-    and moves what runs."""
+    the floor of any dispatcher that starts prompts in order, runs each to its end without
+    foreknowledge of lengths, and moves what runs (rounds go below it: rounds_makespan)."""
     speed = [f for n, f in zip(slots, slow) for _ in range(n)]
     free = [(0.0, f, i) for i, f in enumerate(speed)]  # ties to the faster slot, as dynamic_makespan
     heapq.heapify(free)
