@@ -151,8 +151,7 @@ def makespan_case(cfg: Config, work: Path, name: str, dataset: Path, unit_times:
             machine = measure.machine_cpu_seconds() - machine0
         c = {k.decode(): int(v) for k, v in r.hgetall(counters).items()}
         rounds = measure.round_figures(r, cfg.decode_tps)
-    (root / "server-samples.json").write_text(json.dumps(
-        {s.url: {"samples": s.samples, "final": s.final} for s in poller.series}))
+    poller.save(root / "server-samples.json")
     n = cfg.servers
     ideal = measure.ideal_makespan(unit_times, [cfg.slots] * n, slow)
     ours_fig = measure.figures(poller.series[:n])
@@ -165,8 +164,7 @@ def makespan_case(cfg: Config, work: Path, name: str, dataset: Path, unit_times:
         "ours": {**asdict(ours_fig), "ratio": ours_fig.makespan / ideal,
                  "completed": c.get("completed", 0), "failed": c.get("failed", 0),
                  # The end game's moves (issue 29), and the tokens decoded that no row kept.
-                 "migrated": c.get("migrated", 0), "migrated_tokens": c.get("migrated_tokens", 0),
-                 "rounds": c.get("rounds", 0), "round_tokens": c.get("round_tokens", 0),
+                 **measure.end_game_counters(c),
                  "tokens_lost": generated - c.get("output_tokens", 0)},
         "baseline": {**asdict(base_fig), "ratio": base_fig.makespan / ideal,
                      "completed": baseline["completed"], "failed": baseline["failed"],
@@ -571,10 +569,7 @@ def many_gpus_case(cfg: Config, work: Path, dataset: Path, unit_times: list[floa
             **measure.references(unit_times, [cfg.many_slots] * n_gpus, [1.0] * n_gpus, ideal,
                                  **rounds),
             "ours": {**asdict(fig), "ratio": fig.makespan / ideal, "completed": completed,
-                     "failed": counters.get("failed", 0), "migrated": counters.get("migrated", 0),
-                     "migrated_tokens": counters.get("migrated_tokens", 0),
-                     "rounds": counters.get("rounds", 0),
-                     "round_tokens": counters.get("round_tokens", 0),
+                     "failed": counters.get("failed", 0), **measure.end_game_counters(counters),
                      "tokens_lost": sum(s.final["completion_tokens"] for s in poller.series)
                      - counters.get("output_tokens", 0)},
             "redis_commands_per_completion": commands / max(1, completed),

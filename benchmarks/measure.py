@@ -161,6 +161,14 @@ def round_figures(r, decode_tps: float) -> dict:
             "rounds_below": s.endgame_rounds_depth * concurrency}
 
 
+END_GAME_COUNTERS = ("migrated", "migrated_tokens", "rounds", "round_tokens")
+
+
+def end_game_counters(counters: dict[str, int]) -> dict[str, int]:
+    """The end game's moves and rounds from a job's counters (hand_over.lua, next_round.lua)."""
+    return {name: counters.get(name, 0) for name in END_GAME_COUNTERS}
+
+
 def references(times: list[float], slots: list[int], slow: list[float], ideal: float, *,
                round_s: float, rounds_below: float) -> dict:
     """The computed schedules a case's makespan stands beside, each as a ratio to the ideal:
@@ -214,6 +222,11 @@ class ServerPoller:
         for s in self.series:
             s.final = self._client.get(s.url + "/sim/stats").json()
         self._client.close()
+
+    def save(self, path: Path) -> None:
+        """Every server's samples and final stats, for a look after the run (--keep)."""
+        path.write_text(json.dumps({s.url: {"samples": s.samples, "final": s.final}
+                                    for s in self.series}))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

@@ -293,8 +293,7 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
         for record in read_manifest(storage, job)["batches"]:
             for row in read_batch(storage, record):
                 newest[row["id"]] = row
-    (root / "server-samples.json").write_text(json.dumps(
-        {s.url: {"samples": s.samples, "final": s.final} for s in poller.series}))
+    poller.save(root / "server-samples.json")
     # Every row of the round (a moved one kept more than the cut: its tokens from before the move)
     continued = [row for _, row in sorted(newest.items())  # in the dataset's order
                  if (row["metadata"].get("continued_tokens") or 0) >= CUT]
@@ -306,9 +305,7 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
             "makespan_s": fig.makespan, "ratio": fig.makespan / ideal, "occupancy": fig.occupancy,
             "ramp_s": measure.ramp_s(poller.series),
             **measure.references(work_s, [slots] * servers, slow, ideal, **rounds),
-            "longest_s": max(work_s), "migrated": counters.get("migrated", 0),
-            "migrated_tokens": counters.get("migrated_tokens", 0),
-            "rounds": counters.get("rounds", 0), "round_tokens": counters.get("round_tokens", 0),
+            "longest_s": max(work_s), **measure.end_game_counters(counters),
             "tokens_lost": generated - sum(row["metadata"]["completion_tokens"] - CUT
                                            for row in continued),
             "regenerate_output": out[-1000:]}

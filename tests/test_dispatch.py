@@ -199,13 +199,11 @@ def test_the_last_prompts_go_to_gpus_measurably_faster_while_they_are_alive(redi
     from dflash_tasks.ledger import Ledger
     from dflash_tasks.tasks.app import app
 
+    r, book, k = redis.Redis.from_url(redis_url), Ledger(redis.Redis.from_url(redis_url)), JobName("end")
     rounds = dispatch
     # Rounds off (DFLASH_ENDGAME_ROUND_TOKENS=0): the rule this test is about.
     plain = Settings(redis_url=redis_url, endgame_round_tokens=0)
-    book_plain = Ledger(redis.Redis.from_url(redis_url))
-    dispatch = SimpleNamespace(topup=lambda job, gpu: module.topup(app, book_plain, plain, JobName(job), gpu))
-
-    r, book, k = redis.Redis.from_url(redis_url), Ledger(redis.Redis.from_url(redis_url)), JobName("end")
+    dispatch = SimpleNamespace(topup=lambda job, gpu: module.topup(app, book, plain, JobName(job), gpu))
     setup_job(r, "end", 40, gpus=3, concurrency=4)  # windows of 6
     for gpu in range(3):
         assert dispatch.topup("end", g(gpu)) == 6

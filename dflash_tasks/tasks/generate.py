@@ -294,6 +294,15 @@ def _kept_reference(state: TaskState) -> bytes | None:
     return bare if bare is not None and bodies.is_reference(bare) else None
 
 
+def _going_on(messages: list[dict], partial: Completion, gpu: GpuName, params: GenerationParams,
+              body_reference: bytes | None) -> tuple[bytes, int]:
+    """The prompt entry that goes on from a generation stopped on `gpu` (moved, or cut at its
+    round's end), as stored, and the tokens it made here."""
+    entry = entry_from_partial(messages, partial, gpu, params.enable_thinking, body_reference)
+    frame = compress_messages_json(json.dumps(entry, separators=(",", ":")).encode())
+    return frame, partial.completion_tokens - partial.continued_tokens
+
+
 def _hand_over(job: JobName, prompt_id: str, gpu: GpuName, messages: list[dict], partial,
                params: GenerationParams, body_reference: bytes | None) -> dict | None:
     """A generation aborted here with its partial output, to go on elsewhere from its exact
@@ -306,9 +315,7 @@ def _hand_over(job: JobName, prompt_id: str, gpu: GpuName, messages: list[dict],
     target = None if stopping else window.migration_target(book.r, job, prompt_id, gpu)
     if target is None and not stopping:
         return None
-    entry = entry_from_partial(messages, partial, gpu, params.enable_thinking, body_reference)
-    tokens = partial.completion_tokens - partial.continued_tokens
-    frame = compress_messages_json(json.dumps(entry, separators=(",", ":")).encode())
+    frame, tokens = _going_on(messages, partial, gpu, params, body_reference)
     if not durable("handing the generation over", window.hand_over, book.r, job, prompt_id, gpu,
                    target, frame, tokens):
         return {"id": prompt_id, "skipped": "no longer in flight here: not handed over"}
@@ -331,9 +338,7 @@ def _next_round(job: JobName, prompt_id: str, gpu: GpuName, messages: list[dict]
     """A generation cut at its round's end (window.round_cap): to the back of pending with its
     exact tokens, for whichever GPU frees a slot to go on (next_round.lua)."""
     book = runtime().book
-    entry = entry_from_partial(messages, cut, gpu, params.enable_thinking, body_reference)
-    tokens = cut.completion_tokens - cut.continued_tokens
-    frame = compress_messages_json(json.dumps(entry, separators=(",", ":")).encode())
+    frame, tokens = _going_on(messages, cut, gpu, params, body_reference)
     if not durable("handing the generation to its next round", window.next_round, book.r, job,
                    prompt_id, gpu, frame, tokens):
         return {"id": prompt_id, "skipped": "no longer in flight here: not handed on"}
