@@ -47,9 +47,17 @@ _POSITIVE = click.FloatRange(min=0.0, min_open=True)
               help='SGLang\'s --reasoning-parser; "none": off (the reasoning stays in content).')
 @click.option("--chat-template", default=None,
               help="SGLang's --chat-template, as /server_info reports it (the rendering stays Qwen3's).")
+@click.option("--tokenizer", type=click.Choice(["words", "bytes"]), default="words", show_default=True,
+              help="words: one `w<id>` word per token; bytes: a byte-level tokenizer whose characters "
+                   "span several tokens (Chinese, emoji), as Qwen's BPE splits them.")
+@click.option("--generation-config", "generation_config", metavar="NAME=VALUE,...", default=None,
+              help="The model's generation_config.json sampling defaults (repetition_penalty=1.05,"
+                   "min_p=0.05): the chat endpoint fills them into a request that leaves them unset, "
+                   "/generate does not (SGLang's --sampling-defaults model).")
 def sim_server(**options) -> None:
     """Serve SGLang 0.5.23's HTTP API from a simulated GPU: fixed decode slots, deterministic
-    output lengths, injectable faults. Control endpoints: /sim/stats, /sim/faults, /sim/down, /sim/hold, /sim/release."""
+    output lengths, injectable faults. Control endpoints: /sim/stats, /sim/faults, /sim/down, /sim/hold, /sim/release,
+    /sim/sampling."""
     try:
         lengths.sigma_for(options["median_tokens"], options["p_over_4096"])
     except ValueError as exc:
@@ -59,4 +67,23 @@ def sim_server(**options) -> None:
                                  param_hint="--fail-503/--reset-rate/--hang-rate")
     if options["reasoning_parser"] == "none":
         options["reasoning_parser"] = None
+    options["generation_config"] = _defaults(options["generation_config"])
     run(SimConfig(**options))
+
+
+def _defaults(spec: str | None) -> dict | None:
+    if not spec:
+        return None
+    known = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    out: dict = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() not in known:
+            raise click.BadParameter(f"{name.strip()!r} is not one of {', '.join(known)}",
+                                     param_hint="--generation-config")
+        try:
+            out[name.strip()] = int(value) if name.strip() == "top_k" else float(value)
+        except ValueError:
+            raise click.BadParameter(f"{item!r}: {value!r} is not a number",
+                                     param_hint="--generation-config") from None
+    return out

@@ -54,7 +54,8 @@ def reasoning_share(prompt_key: bytes) -> float:
     return 0.60 + 0.30 * _unit(prompt_key, 8, 10)
 
 
-def layout_for(prompt_key: bytes, natural: int, thinking: bool) -> tokens.Layout:
+def layout_for(prompt_key: bytes, natural: int, thinking: bool,
+               byte_level: bool = False) -> tokens.Layout:
     """How a response of `natural` tokens is cut into reasoning and answer (see tokens.Layout).
 
     Thinking mode needs at least 4 tokens (the two markers, one reasoning word, `<|im_end|>`), so a
@@ -62,10 +63,10 @@ def layout_for(prompt_key: bytes, natural: int, thinking: bool) -> tokens.Layout
     """
     offset = int.from_bytes(prompt_key[10:14], "big")
     if not thinking:
-        return tokens.Layout(False, 0, natural - 1, offset)
+        return tokens.Layout(False, 0, natural - 1, offset, byte_level)
     body = max(natural, _MIN_THINKING_TOKENS) - 3  # reasoning + answer words
     reasoning = min(max(1, round(reasoning_share(prompt_key) * body)), max(1, body - 1))
-    return tokens.Layout(True, reasoning, body - reasoning, offset)
+    return tokens.Layout(True, reasoning, body - reasoning, offset, byte_level)
 
 
 @dataclass(frozen=True)
@@ -90,11 +91,13 @@ class ResponsePlan:
 
 
 def plan_response(prompt_ids: Sequence[int], thinking: bool, *, median: float = 1800.0,
-                  p_over_4096: float = 0.18, fixed_tokens: int = 0) -> ResponsePlan:
-    """The plan for a rendered prompt; `fixed_tokens` > 0 makes every natural length that long."""
+                  p_over_4096: float = 0.18, fixed_tokens: int = 0,
+                  byte_level: bool = False) -> ResponsePlan:
+    """The plan for a rendered prompt; `fixed_tokens` > 0 makes every natural length that long;
+    `byte_level`: the byte-level tokenizer's output (tokens.py)."""
     key = tokens.prompt_key(prompt_ids)
     natural = fixed_tokens if fixed_tokens > 0 else natural_length(key, median, p_over_4096)
-    return ResponsePlan(key, len(prompt_ids), layout_for(key, natural, thinking))
+    return ResponsePlan(key, len(prompt_ids), layout_for(key, natural, thinking, byte_level))
 
 
 @dataclass(frozen=True)

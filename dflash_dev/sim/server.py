@@ -86,6 +86,12 @@ class SimConfig:
     # The rendering stays Qwen3's whatever the template is called: only its name changes.
     reasoning_parser: str | None = "qwen3"
     chat_template: str | None = None
+    # "words" (one `w<id>` word per token) or "bytes" (a byte-level tokenizer: tokens.py).
+    tokenizer: str = "words"
+    # The model's generation_config.json sampling defaults, which the chat endpoint fills into a
+    # request that leaves them unset (SGLang's `--sampling-defaults model`) and /generate never
+    # does; each request's effective parameters are kept for /sim/sampling.
+    generation_config: dict | None = None
 
 
 class BadRequest(Exception):
@@ -150,6 +156,11 @@ class SimServer:
     def __init__(self, config: SimConfig):
         lengths.sigma_for(config.median_tokens, config.p_over_4096)  # refuse an impossible model early
         self.config = config
+        if config.tokenizer not in ("words", "bytes"):
+            raise ValueError(f"tokenizer must be words or bytes, not {config.tokenizer!r}")
+        self.byte_level = config.tokenizer == "bytes"
+        # Each generation request's effective sampling parameters, newest last (/sim/sampling).
+        self.sampling_seen: deque[dict] = deque(maxlen=100_000)
         self.faults = {"fail_503": config.fail_503, "reset_rate": config.reset_rate,
                        "hang_rate": config.hang_rate, "slow_factor": config.slow_factor}
         self._rng = random.Random(config.seed)
@@ -199,6 +210,11 @@ class SimServer:
         r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort_request)
+        for path in ("/v1/detokenize", "/detokenize"):
+            r.add_post(path, self.detokenize)
+        for path in ("/v1/tokenize", "/tokenize"):
+            r.add_post(path, self.tokenize)
+        r.add_get("/sim/sampling", self.sim_sampling)
         for path in ("/health", "/health_generate"):
             r.add_get(path, self.health)
         r.add_get("/v1/models", self.models)
@@ -472,6 +488,7 @@ class SimServer:
         if not messages:
             raise BadRequest(400, openai_error(400, "Messages cannot be empty.", "BadRequestError"))
         _check_sampling(data)
+        self._note_sampling("chat", data.get("rid"), data, defaults=config.generation_config)
         kwargs = data.get("chat_template_kwargs") or {}
         thinking = bool(kwargs.get("enable_thinking", True)) if isinstance(kwargs, dict) else True
         max_tokens = data.get("max_completion_tokens")
@@ -484,7 +501,8 @@ class SimServer:
         prompt_ids = tokens.render_chat(messages, thinking)
         budget = _check_context(len(prompt_ids), max_tokens, config.context_length, openai=True)
         plan = lengths.plan_response(prompt_ids, thinking, median=config.median_tokens,
-                                     p_over_4096=config.p_over_4096, fixed_tokens=config.fixed_tokens)
+                                     p_over_4096=config.p_over_4096, fixed_tokens=config.fixed_tokens,
+                                     byte_level=self.byte_level)
         rid = data.get("rid")
         rid = rid if isinstance(rid, str) and rid else os.urandom(16).hex()
         gen = Generation(rid, plan, 0, budget, self._cached_tokens(plan.key, len(prompt_ids)))
@@ -500,11 +518,12 @@ class SimServer:
         aborted = outcome in ("abort", "abort_waiting")
         finish = "abort" if aborted else gen.finish
         reasoning = layout.reasoning_tokens(n)
-        if params["thinking"] and params["separate"]:
-            message = {"role": "assistant", "content": layout.answer_text(n),
-                       "reasoning_content": layout.reasoning_text(n)}
+        text = layout.text(0, n)
+        if params["separate"]:
+            thought, content = split_reasoning(text, params["thinking"])
         else:
-            message = {"role": "assistant", "content": layout.text(0, n), "reasoning_content": None}
+            thought, content = None, text
+        message = {"role": "assistant", "content": content, "reasoning_content": thought}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
                   "matched_stop": tokens.IM_END if finish == "stop" else None}
         if params["prompt_ids"] is not None:
@@ -543,13 +562,15 @@ class SimServer:
         if not isinstance(sampling, dict):
             raise _native_error("sampling_params must be an object.")
         _check_sampling(sampling, native=True)
+        self._note_sampling("generate", data.get("rid"), sampling, defaults=None)
         max_new = sampling.get("max_new_tokens", 128)
         if max_new is not None and (not isinstance(max_new, int) or max_new < 0):
             raise _native_error(f"max_new_tokens must be a non-negative integer, got {max_new!r}.")
         budget = _check_context(len(input_ids), max_new, config.context_length, openai=False)
         end, thinking = tokens.split_prompt(input_ids)
         plan = lengths.plan_response(input_ids[:end], bool(thinking), median=config.median_tokens,
-                                     p_over_4096=config.p_over_4096, fixed_tokens=config.fixed_tokens)
+                                     p_over_4096=config.p_over_4096, fixed_tokens=config.fixed_tokens,
+                                     byte_level=self.byte_level)
         rid = data.get("rid")
         rid = rid if isinstance(rid, str) and rid else os.urandom(16).hex()
         return Generation(rid, plan, len(input_ids) - end, budget, self._cached_tokens(plan.key, len(input_ids))), None
@@ -569,9 +590,9 @@ class SimServer:
         first_token = started + gen.prefill_s
         decode_s = max(1e-9, now - first_token)
         return {
-            # A BPE piece carries its own leading space, so /generate's text starts with one
-            # (generate.json: " world world..."), and a continuation's text appends cleanly.
-            "text": (" " if n else "") + layout.text(start, start + n),
+            # Decoded from this request's own ids alone (tokens.py): joined with another
+            # request's text it is not the text of their ids joined (/v1/detokenize is).
+            "text": layout.text(start, start + n),
             "output_ids": layout.ids(start, start + n),
             "meta_info": {
                 "id": gen.rid, "finish_reason": finish, "prompt_tokens": gen.input_tokens,
@@ -589,6 +610,41 @@ class SimServer:
                 "response_sent_to_client_ts": now,
             },
         }
+
+    def _note_sampling(self, endpoint: str, rid: Any, given: dict, defaults: dict | None) -> None:
+        """The parameters the request samples with: those it gives, then (the chat endpoint
+        only, as SGLang's `--sampling-defaults model`) the model's defaults, then SGLang's."""
+        effective = {**SGLANG_SAMPLING_DEFAULTS, **(defaults or {}),
+                     **{k: given[k] for k in SGLANG_SAMPLING_DEFAULTS if given.get(k) is not None}}
+        self.sampling_seen.append({"endpoint": endpoint, "rid": rid, "sampling": effective})
+
+    async def sim_sampling(self, request: web.Request) -> web.Response:
+        return _json(list(self.sampling_seen))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23's /v1/detokenize: {model, tokens, skip_special_tokens} -> {text}."""
+        try:
+            data = json.loads(await request.read() or b"{}")
+            ids = data["tokens"]
+            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                raise ValueError("tokens must be a list of token ids")
+        except (ValueError, KeyError, TypeError) as exc:
+            return _json(openai_error(400, f"Invalid request: {exc}", "BadRequestError"), 400)
+        text = tokens.decode(ids, byte_level=self.byte_level,
+                             skip_special=data.get("skip_special_tokens", True) is not False)
+        return _json({"text": text})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23's /v1/tokenize for one prompt string: {tokens, count, max_model_len}."""
+        try:
+            data = json.loads(await request.read() or b"{}")
+            prompt = data["prompt"]
+            if not isinstance(prompt, str):
+                raise ValueError("the simulated server tokenizes one prompt string")
+        except (ValueError, KeyError, TypeError) as exc:
+            return _json(openai_error(400, f"Invalid request: {exc}", "BadRequestError"), 400)
+        ids = tokens.encode(prompt)
+        return _json({"tokens": ids, "count": len(ids), "max_model_len": self.config.context_length})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
@@ -834,6 +890,28 @@ def _validation_error(err_type: str, loc: tuple, msg: str, value: Any, path: str
 def _native_error(message: str) -> BadRequest:
     """A 400 shaped like SGLang's /generate answer to a ValueError."""
     return BadRequest(400, {"error": {"message": message}})
+
+
+# SGLang's own defaults for what `--sampling-defaults model` may take from generation_config.json.
+SGLANG_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                            "repetition_penalty": 1.0}
+
+
+def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
+    """SGLang 0.5.23's qwen3 reasoning parser on a whole, non-streamed text (its
+    `BaseReasoningFormatDetector._detect_and_parse_impl`): thinking on forces reasoning up to
+    `</think>`, leading `<think>` tags dropped, nothing stripped; an empty reasoning is null."""
+    if not thinking and "<think>" not in text:
+        return None, text
+    while text.startswith("<think>"):
+        text = text[len("<think>"):]
+    if "</think>" not in text:
+        tool = text.find("<tool_call>")
+        if tool != -1:
+            return text[:tool] or None, text[tool:]
+        return text or None, ""
+    reasoning, answer = text.split("</think>", 1)
+    return reasoning or None, answer
 
 
 def _check_sampling(params: dict, native: bool = False) -> None:

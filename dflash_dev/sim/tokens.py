@@ -11,7 +11,15 @@ thinking mode it is `<think>`, the reasoning words, `</think>`, the answer words
 without thinking, the answer words then `<|im_end|>`. Word ids come from one fixed pseudo-random
 table read from a per-prompt offset, so the id at position k depends only on the prompt and k: a
 continuation reproduces exactly the ids a single longer generation would have produced. Text is
-one word per token (`w<id>`), built by slicing and joining, which keeps a response cheap to make.
+one word per token (`w<id>`), words apart by one space and none beside a marker
+(`<think>w1 w2</think>w3`), built by slicing and joining, which keeps a response cheap to make.
+
+The byte-level mode (`--tokenizer bytes`) stands for a byte-level BPE such as Qwen's, at its
+most unforgiving: every output token is one byte (ids 0-255) of a UTF-8 text of Chinese,
+emoji, English and newlines, so nearly every cut between two requests falls inside a character.
+A request's text is decoded from its own ids alone (an incomplete character at either end is
+U+FFFD, as SGLang's incremental detokenizer leaves it): texts of requests joined are not the text
+of their ids joined, which only decoding all the ids at once (`/v1/detokenize`) gives.
 """
 from __future__ import annotations
 
@@ -42,6 +50,10 @@ SPECIAL_TEXT = {v: k for k, v in SPECIAL_IDS.items()}
 _SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_IDS) + ")")
 
 _TABLE_SIZE = 1 << 16
+# What the byte-level mode's model writes, over and over: every character of it is 1 to 4 bytes.
+_BYTE_TEXT = ("好的，让我想想这个问题。\n首先 🤔 we need the sum: 3 + 4 = 7 ✅\n"
+              "然后检查边界情况 🧮🔍 — naïve café, Ελληνικά, русский текст.\n\n"
+              "答案是四十二 🎉 The answer is 42.\n")
 
 
 def piece_id(piece: str) -> int:
@@ -65,9 +77,29 @@ def encode(text: str) -> list[int]:
     return ids
 
 
-def decode(ids: Iterable[int]) -> str:
-    """Text of `ids`: `w<id>` per ordinary id, special tokens by name, joined by single spaces."""
-    return " ".join(SPECIAL_TEXT.get(i) or f"w{i}" for i in ids)
+def decode(ids: Iterable[int], *, byte_level: bool = False, skip_special: bool = False) -> str:
+    """Text of `ids` decoded at once, as the tokenizer of each mode decodes (see the module's
+    docstring); `skip_special`: `<|im_end|>` and the other special tokens left out, the think
+    markers kept (added tokens, not special, as in Qwen3)."""
+    parts: list[str] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            parts.append(bytes(run).decode("utf-8", "replace") if byte_level
+                         else " ".join(f"w{i}" for i in run))
+            run.clear()
+
+    for i in ids:
+        special = SPECIAL_TEXT.get(i)
+        if special is None:
+            run.append(i)
+            continue
+        flush()
+        if not skip_special or i in (THINK, END_THINK):
+            parts.append(special)
+    flush()
+    return "".join(parts)
 
 
 ASSISTANT = piece_id("assistant")
@@ -124,14 +156,24 @@ def split_prompt(ids: Sequence[int]) -> tuple[int, bool | None]:
     return len(ids), None
 
 
-def _build_tables() -> tuple[list[int], list[str]]:
+def _build_tables() -> tuple[list[int], list[str], list[int]]:
     rng = random.Random(0x5EED)
     table = [rng.randrange(VOCAB) for _ in range(_TABLE_SIZE)]
     words = [f"w{i}" for i in table]
-    return table + table, words + words  # doubled, so any window of up to a table length is a slice
+    text = _BYTE_TEXT.encode()
+    raw = list((text * (_TABLE_SIZE // len(text) + 1))[:_TABLE_SIZE])
+    # doubled, so any window of up to a table length is a slice
+    return table + table, words + words, raw + raw
 
 
-_IDS2, _WORDS2 = _build_tables()
+_IDS2, _WORDS2, _BYTES2 = _build_tables()
+
+
+def char_start(offset: int) -> int:
+    """The first position at or after `offset` of the byte table where a character begins."""
+    while _BYTES2[offset % _TABLE_SIZE] & 0xC0 == 0x80:
+        offset += 1
+    return offset
 
 
 def _window(seq2: list, start: int, stop: int) -> list:
@@ -153,10 +195,13 @@ def _window(seq2: list, start: int, stop: int) -> list:
 class Layout:
     """How one prompt's natural response is laid out in positions 0..length."""
 
-    __slots__ = ("thinking", "reasoning", "answer", "offset", "length", "_segments")
+    __slots__ = ("thinking", "reasoning", "answer", "offset", "length", "byte_level", "_segments")
 
-    def __init__(self, thinking: bool, reasoning: int, answer: int, offset: int):
+    def __init__(self, thinking: bool, reasoning: int, answer: int, offset: int,
+                 byte_level: bool = False):
         self.thinking = thinking
+        self.byte_level = byte_level
+        offset = char_start(offset) if byte_level else offset
         self.reasoning = reasoning if thinking else 0
         self.answer = answer
         self.offset = offset
@@ -181,11 +226,12 @@ class Layout:
                 out.append(special)
             else:
                 j = self.offset + base + lo - s0
-                out.extend(_window(_IDS2, j, j + hi - lo))
+                out.extend(_window(_BYTES2 if self.byte_level else _IDS2, j, j + hi - lo))
         return out
 
     def text(self, start: int, stop: int) -> str:
-        """The text of positions start..stop, think markers by name, `<|im_end|>` left out."""
+        """The text of positions start..stop decoded alone (`decode(ids(start, stop),
+        skip_special=True)`, made faster): think markers by name, `<|im_end|>` left out."""
         parts: list[str] = []
         for special, s0, s1, base in self._segments:
             lo, hi = max(start, s0), min(stop, s1)
@@ -193,30 +239,15 @@ class Layout:
                 continue
             if special is not None:
                 parts.append(SPECIAL_TEXT[special])
+            elif self.byte_level:
+                j = self.offset + base + lo - s0
+                parts.append(bytes(_window(_BYTES2, j, j + hi - lo)).decode("utf-8", "replace"))
             else:
                 j = self.offset + base + lo - s0
                 parts.append(" ".join(_window(_WORDS2, j, j + hi - lo)))
-        return " ".join(parts)
-
-    def reasoning_words(self, stop: int) -> int:
-        """How many reasoning words lie in positions 0..stop (markers not counted)."""
-        return max(0, min(stop - 1, self.reasoning)) if self.thinking else 0
+        return "".join(parts)
 
     def reasoning_tokens(self, stop: int) -> int:
         """SGLang's usage.reasoning_tokens for positions 0..stop: every token up to and including
         `</think>`, the markers counted (checked against the real 0.5.23 server)."""
         return min(stop, self.reasoning + 2) if self.thinking else 0
-
-    def answer_words(self, stop: int) -> int:
-        """How many answer words lie in positions 0..stop."""
-        if self.thinking:
-            return max(0, min(stop - 2 - self.reasoning, self.answer))
-        return max(0, min(stop, self.answer))
-
-    def reasoning_text(self, stop: int) -> str:
-        j = self.offset
-        return " ".join(_window(_WORDS2, j, j + self.reasoning_words(stop)))
-
-    def answer_text(self, stop: int) -> str:
-        j = self.offset + self.reasoning
-        return " ".join(_window(_WORDS2, j, j + self.answer_words(stop)))
