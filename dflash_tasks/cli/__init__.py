@@ -21,6 +21,7 @@ COMMANDS = {
     "resume": "dflash_tasks.cli.jobs:resume",
     "cancel": "dflash_tasks.cli.jobs:cancel",
     "delete": "dflash_tasks.cli.jobs:delete",
+    "remove-chunks": "dflash_tasks.cli.jobs:remove_chunks_left",
     "set": "dflash_tasks.cli.jobs:set_params",
     "stats": "dflash_tasks.cli.stats:stats",
     "regenerate": "dflash_tasks.cli.regenerate:regenerate",

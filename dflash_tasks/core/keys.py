@@ -148,6 +148,13 @@ class JobName(str):
         return self._k("*").replace("{", "\\{").replace("}", "\\}")
 
     @property
+    def chunk_numbers(self) -> str:  # string: the last number given to a chunk of prompt bodies
+        # (ledger/bodies.py) of any job of this name. Not one of the job's keys (every_key): it
+        # outlives the job, so a later job of its name numbers its chunks after the deleted
+        # one's, and a deletion removes only its own (jobs.delete). Its hash tag is the job's.
+        return f"{PREFIX}:body_chunks:{{{self}}}"
+
+    @property
     def done(self) -> str:        # set: ids whose row is in the output
         return self._k("done")
 

@@ -31,6 +31,6 @@ def run(book: Ledger, gpu: GpuName, running: Shutdown, stop: threading.Event) ->
         if order is None:
             continue
         job, prompt_id = order
-        if running.abort_matching(f"{job}:{prompt_id}:"):
+        if running.abort_prompt(job, prompt_id):  # its own request only: ids are free text
             log.info("%s: prompt %s of job %s aborted here, to be continued on a faster GPU",
                      gpu, prompt_id, job)

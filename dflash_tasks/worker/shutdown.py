@@ -20,20 +20,38 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import uuid
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 log = logging.getLogger(__name__)
 
+
+class _Request(NamedTuple):
+    job: str
+    prompt_id: str
+    rid: str
+    abort: Callable[[], None]
+
+
 class Shutdown:
-    """The process's shutdown state: whether one was requested, and the requests in flight that
-    it aborts once their grace period is over. The worker runtime holds the process's one."""
+    """The process's shutdown state: whether one was requested, and the requests in flight, by
+    job and prompt, that it aborts once their grace period is over (and that a move aborts one
+    prompt's of: abort_prompt). The worker runtime holds the process's one."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self._lock = threading.Lock()
-        self._in_flight: dict[int, tuple[str, Callable[[], None]]] = {}
+        self._in_flight: dict[int, _Request] = {}
         self._tokens = itertools.count(1)
+
+    @staticmethod
+    def request_id(job: str, prompt_id: str, attempt: int) -> str:
+        """A new request's rid: a random token of fixed length first, then what it is for (read
+        in the logs). SGLang's `/abort_request` aborts every request whose rid starts with the
+        one given, so no rid may begin another's: each begins with its own token, whatever the
+        prompt ids (free text: `job:x:1:…`, prompt `x:1`'s, begins with `job:x:`)."""
+        return f"{uuid.uuid4().hex}:{job}:{prompt_id}:{attempt}"
 
     def requested(self) -> bool:
         return self._event.is_set()
@@ -43,24 +61,28 @@ class Shutdown:
         return self._event.wait(timeout)
 
     @contextmanager
-    def tracked(self, rid: str, abort: Callable[[], None]) -> Iterator[None]:
-        """Register a request in flight, so a shutdown past its grace period can abort it."""
+    def tracked(self, job: str, prompt_id: str, rid: str,
+                abort: Callable[[], None]) -> Iterator[None]:
+        """Register a request in flight for the job's prompt, so a shutdown past its grace period
+        can abort it, or a move of that prompt (abort_prompt)."""
         token = next(self._tokens)
         with self._lock:
-            self._in_flight[token] = (rid, abort)
+            self._in_flight[token] = _Request(job, prompt_id, rid, abort)
         try:
             yield
         finally:
             with self._lock:
                 self._in_flight.pop(token, None)
 
-    def abort_matching(self, prefix: str) -> int:
-        """Abort the requests in flight whose rid starts with `prefix` (a prompt's: a generation
-        moved to another GPU, worker/migration.py); returns how many."""
+    def abort_prompt(self, job: str, prompt_id: str) -> int:
+        """Abort the requests in flight of exactly this prompt of this job (a generation moved to
+        another GPU, worker/migration.py), never another's: returns how many (two only when a
+        stray second delivery of it runs too)."""
         with self._lock:
-            matched = [abort for rid, abort in self._in_flight.values() if rid.startswith(prefix)]
-        for abort in matched:
-            abort()
+            matched = [req for req in self._in_flight.values()
+                       if req.job == job and req.prompt_id == prompt_id]
+        for req in matched:
+            req.abort()
         return len(matched)
 
     def begin(self, grace_s: float) -> None:
@@ -82,8 +104,8 @@ class Shutdown:
             pending = list(self._in_flight.values())
         if pending:
             log.warning("warm shutdown: aborting %d request(s) still in flight", len(pending))
-        for rid, abort in pending:
+        for req in pending:
             try:
-                abort()
+                req.abort()
             except Exception:  # best effort: the request's own timeout still bounds it
-                log.exception("could not abort %s", rid)
+                log.exception("could not abort %s", req.rid)
