@@ -19,7 +19,8 @@ from dflash_tasks.cli.common import (
 from dflash_tasks.core.keys import JobName
 
 _REASON_HELP = ("A reason (invalid_request, model_not_found, empty_response, internal_error, "
-                "unavailable, timeout, bad_response, aborted) or a class (transient, permanent).")
+                "prompt_body_corrupt, unavailable, timeout, bad_response, aborted) or a class "
+                "(transient, permanent).")
 
 
 ERROR_CHARS = 1000  # of one error in the listing; --json gives every error whole
@@ -96,7 +97,7 @@ def failed(name: JobName, as_json: bool, limit: int) -> None:
 def _check_reason_and_gpu(r, name: JobName, reason: str | None, gpu: str | None) -> None:
     """A --reason or --gpu that can match nothing is a typo: refused with the choices (the
     reasons the server's answers have, the classes, and those in this job's registry: a task's
-    own, such as internal_error or prompt_body_missing)."""
+    own, such as internal_error or prompt_body_corrupt)."""
     from dflash_tasks import dispatch
     from dflash_tasks.core.keys import GpuName
     from dflash_tasks.dispatch.failures import CLASSES, read

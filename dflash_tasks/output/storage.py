@@ -45,7 +45,8 @@ class StorageError(RuntimeError):
 
 
 class StorageNotFound(StorageError, FileNotFoundError):
-    """The object does not exist."""
+    """The object does not exist here: gone, or its directory not mounted on this node (a
+    reader cannot tell them apart)."""
 
 
 class StorageCorrupt(StorageError):
@@ -54,8 +55,9 @@ class StorageCorrupt(StorageError):
 
 
 class StorageDenied(StorageError):
-    """The storage refuses this process (no credentials, access denied, a key it does not know):
-    the deployment's fault, not an object's, and waiting will not mend it either."""
+    """The storage refuses this process (no credentials, access denied, a key it does not know,
+    a file this user may not read): the deployment's fault, not an object's, and waiting will
+    not mend it either."""
 
 
 # S3 error codes of a refusal that no retry mends (botocore's NoCredentialsError has none).
@@ -68,6 +70,8 @@ class Storage(Protocol):
     def get(self, key: str) -> bytes: ...
     def get_range(self, key: str, offset: int, length: int) -> bytes: ...
     def delete_prefix(self, key_prefix: str) -> int: ...
+    def delete_keys(self, keys: list[str]) -> int: ...
+    def list(self, key_prefix: str) -> list[str]: ...
     def exists(self, key: str) -> bool: ...
     def location(self, key: str) -> str: ...
 
@@ -149,6 +153,11 @@ class LocalStorage:
                 data = os.pread(f.fileno(), length, offset)
         except FileNotFoundError:
             raise StorageNotFound(f"{self.location(key)}: no such file") from None
+        except PermissionError as exc:
+            # A mode, an ACL, a root-squashing mount: refused to this node, as S3 refusing its
+            # credentials, and no fault of the file's bytes.
+            raise StorageDenied(f"{self.location(key)}: cannot read: {exc.strerror} (uid "
+                                f"{os.getuid()})") from None
         except OSError as exc:
             raise StorageError(f"{self.location(key)}: cannot read: {exc}") from None
         if len(data) != length:
@@ -165,6 +174,31 @@ class LocalStorage:
         files = sum(1 for p in directory.rglob("*") if p.is_file())
         shutil.rmtree(directory)
         return files
+
+    def delete_keys(self, keys: list[str]) -> int:
+        """Remove these files (one already gone is no error); returns how many went."""
+        gone = 0
+        for key in keys:
+            try:
+                self._path(key).unlink()
+                gone += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise StorageError(f"{self.location(key)}: cannot remove: {exc}") from None
+        return gone
+
+    def list(self, key_prefix: str) -> list[str]:
+        """Keys (relative, as put() takes them) of the files under the directory `key_prefix`
+        names (ending in "/"); none when there is no such directory."""
+        directory = self._path(key_prefix.rstrip("/"))
+        try:
+            if not directory.is_dir():
+                return []
+            return sorted(p.relative_to(self.root).as_posix() for p in directory.rglob("*")
+                          if p.is_file())
+        except OSError as exc:  # a mount that does not answer
+            raise StorageError(f"{self.location(key_prefix)}: cannot list: {exc}") from None
 
     def exists(self, key: str) -> bool:
         return (self.root / key).exists()
@@ -313,21 +347,24 @@ class S3Storage:
 
     def delete_prefix(self, key_prefix: str) -> int:
         """Remove every object under a relative prefix; returns how many went."""
-        keys = self.list(key_prefix)
-        try:
-            for first in range(0, len(keys), 1000):  # DeleteObjects takes 1,000 keys at most
+        return self.delete_keys(self.list(key_prefix))
+
+    def delete_keys(self, keys: list[str]) -> int:
+        """Remove these objects (one already gone is no error: S3 answers the same); returns
+        how many were asked."""
+        for first in range(0, len(keys), 1000):  # DeleteObjects takes 1,000 keys at most
+            batch = keys[first:first + 1000]
+            try:
                 answer = self.client.delete_objects(Bucket=self.bucket, Delete={
-                    "Objects": [{"Key": self.key_for(k)} for k in keys[first:first + 1000]],
-                    "Quiet": True})
-                if answer.get("Errors"):
-                    first_error = answer["Errors"][0]
-                    raise StorageError(f"S3 delete {self.location(key_prefix)}: "
-                                       f"{len(answer['Errors'])} objects not deleted, the first "
-                                       f"{first_error.get('Key')}: {first_error.get('Code')}")
-        except StorageError:
-            raise
-        except Exception as exc:
-            raise self._error("delete", key_prefix, exc) from None
+                    "Objects": [{"Key": self.key_for(k)} for k in batch], "Quiet": True})
+            except Exception as exc:
+                raise self._error("delete", batch[0], exc) from None
+            if answer.get("Errors"):
+                first_error = answer["Errors"][0]
+                raise StorageError(f"S3 delete {self.location(batch[0])} and "
+                                   f"{len(batch) - 1} more: {len(answer['Errors'])} objects not "
+                                   f"deleted, the first {first_error.get('Key')}: "
+                                   f"{first_error.get('Code')}")
         return len(keys)
 
     def exists(self, key: str) -> bool:
@@ -360,6 +397,8 @@ class S3Storage:
             code = str(response.get("Error", {}).get("Code", ""))
         reason = f"{type(exc).__name__}: {exc}"
         where = self.location(key)
+        if code == "NoSuchBucket":
+            return StorageNotFound(f"S3 {action} {where}: there is no bucket {self.bucket}")
         if code in ("404", "NoSuchKey", "NotFound"):
             return StorageNotFound(f"S3 {action} {where}: no such object")
         if code in ("416", "InvalidRange"):

@@ -23,6 +23,11 @@ safety net, `threshold` consecutive permanent failures of one reason that are no
 prompt's (a context too long for the cap is): kind "repeated_failure", which stays open until
 the worker restarts, since no probe can tell a fixed server from a broken one.
 
+A task may also `trip` it with a probe of its own, for a fault of this node that no prompt
+caused: the prompts' texts kept on storage, not found or refused here (tasks/generate.py's
+_read_body: kind "misconfigured"), or unreadable for longer than breaker_wait_s ("transient");
+the probe reads them again.
+
 While it is open the GPU takes no new work (take.lua), and beat hands its prompts to the job's
 other GPUs (dispatch.unavailable_gpus): at once for the two kinds above, after
 `breaker_handover_s` for a server that stopped answering.
@@ -76,6 +81,7 @@ class CircuitBreaker:
         self._same_reason = ""
         self.last_error = ""
         self._active_probe: Callable[[], bool] | None = probe
+        self._probing: str | None = None        # what a trip's own probe checks, for its logs
         self.opened_at: float | None = None    # wall-clock time, for operators
         self._opened_mono = 0.0
         self._closed_mono: float | None = None
@@ -137,23 +143,26 @@ class CircuitBreaker:
             self._changed()
 
     def trip(self, reason: str, error: str, probe: Callable[[], bool], *,
-             kind: str = MISCONFIGURED) -> None:
+             kind: str = MISCONFIGURED, probing: str | None = None) -> None:
         """Open now, until `probe` says the fault is gone: by default the deployment's fault
         (sglang.DeploymentError; the probe reads the server's identity), or `kind` TRANSIENT
-        for an outage that lasted too long (the probe tries again what failed)."""
+        for an outage that lasted too long (the probe tries again what failed). `probing` names
+        what the probe checks when it is not the server ("reads of the prompts' texts"), for
+        the logs."""
         with self._cond:
             self.last_error = f"{reason}: {error[:480]}"
             opened = self.state == CLOSED
             if opened:
-                self._open(kind, probe)
+                self._open(kind, probe, probing)
         if opened:
             self._changed()
 
     # -- state changes -------------------------------------------------------------------------
 
-    def _open(self, kind: str, probe: Callable[[], bool] | None) -> None:  # with self._cond held
+    def _open(self, kind: str, probe: Callable[[], bool] | None,
+              probing: str | None = None) -> None:  # with self._cond held
         now = self._clock()
-        self.kind, self._active_probe = kind, probe
+        self.kind, self._active_probe, self._probing = kind, probe, probing
         if self._closed_mono is not None and now - self._closed_mono < 2 * self.probe_cap_s:
             # Opened again soon after closing: /health says yes, requests say no.
             self._min_open_s = min(max(2 * self._min_open_s, self.probe_base_s * 4), 600.0)
@@ -163,9 +172,10 @@ class CircuitBreaker:
         self.opened_at = time.time()
         self._opened_mono = now
         self.times_opened += 1
-        if kind == TRANSIENT and probe is not self._probe:
-            log.error("%s: circuit open, %s: this GPU takes no work until it reads again",
-                      self.name, self.last_error)
+        if probing is not None:
+            log.error("%s: circuit open, %s: this GPU takes no work%s until %s work again",
+                      self.name, self.last_error, "" if kind == TRANSIENT else
+                      " and its prompts go to the other GPUs", probing)
         elif kind == TRANSIENT:
             log.warning("%s: circuit open after %d consecutive transient failures (last: %s); no "
                         "requests until /health answers 200 %d times in a row%s", self.name,
@@ -193,7 +203,8 @@ class CircuitBreaker:
             self._closed_mono = self._clock()
             open_for = self._closed_mono - self._opened_mono
             self._cond.notify_all()
-        log.warning("%s: circuit closed, server healthy again after %.0fs", self.name, open_for)
+        log.warning("%s: circuit closed, %s again after %.0fs", self.name,
+                    f"{self._probing} work" if self._probing else "server healthy", open_for)
         self._changed()
 
     def _probe_loop(self) -> None:
