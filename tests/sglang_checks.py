@@ -96,8 +96,9 @@ def same_as_fresh(s: Served, row: dict) -> None:
     assert choice["finish_reason"] == meta["finish_reason"]
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["reasoning_tokens"]) == \
            (meta["prompt_tokens"], meta["completion_tokens"], meta["reasoning_tokens"])
-    assert (choice["message"]["reasoning_content"] or "").split() == (answer["reasoning_content"] or "").split()
-    assert (choice["message"]["content"] or "").split() == (answer["content"] or "").split()
+    # Exactly, whitespace and all: a continued row's text is the server's decoding of its ids.
+    assert choice["message"]["reasoning_content"] == answer["reasoning_content"], row["id"]
+    assert choice["message"]["content"] == answer["content"], row["id"]
 
 
 # ---------------------------------------------------------------------------- the HTTP surface
@@ -124,7 +125,7 @@ def check_http_surface(s: Served) -> None:
         assert models["data"][0]["max_model_len"] == CONTEXT_LENGTH
 
         done = client.chat([{"role": "user", "content": "Task 1: hello"}], max_tokens=BIG_CAP,
-                           temperature=0.6)
+                           sampling={"temperature": 0.6})
         assert done.finish_reason == "stop" and done.reasoning_content and done.content
         assert done.completion_tokens == len(done.response_token_ids)
         assert done.prompt_tokens == len(done.prompt_token_ids)
@@ -286,7 +287,7 @@ def check_abort_and_continue(s: Served) -> None:
     with an empty body; the aborted request's own answer completes normally, finish_reason
     "abort", with its partial output and token ids; continuing from the prompt's ids and those
     with /generate gives, id for id, what one uninterrupted greedy generation gives. The real
-    tiny model would stop after 15 tokens: it is asked to ignore its end token."""
+    tiny model would stop after its short script: it is asked to ignore its end token."""
     import threading
     import time
 
@@ -323,3 +324,233 @@ def check_abort_and_continue(s: Served) -> None:
 
 def dump(obj) -> str:
     return json.dumps(obj, indent=1)[:2000]
+
+
+# ---------------------------------------------------------------------------- continued rows
+
+
+# Sent whole, the same, to both endpoints: the chat endpoint fills an unset one from the model's
+# generation_config.json, /generate never does (docs/SGLANG_0.5.23.md, (d)).
+SAME_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
+                 "repetition_penalty": 1.0}
+
+
+def chat_raw(s: Served, messages: list[dict], max_tokens: int, *, enable_thinking: bool = True,
+             **sampling) -> dict:
+    """One chat completion as the worker asks for it, the whole answer."""
+    body = {"model": s.model, "messages": messages, "max_tokens": max_tokens,
+            "chat_template_kwargs": {"enable_thinking": enable_thinking},
+            "separate_reasoning": True, "return_token_ids": True, **sampling}
+    r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def generate_raw(s: Served, input_ids: list[int], max_new_tokens: int, **sampling) -> dict:
+    r = httpx.post(s.url + "/generate", timeout=120, json={
+        "input_ids": input_ids, "sampling_params": {**sampling, "max_new_tokens": max_new_tokens}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def qwen3_split(text: str, *, force_reasoning: bool) -> tuple[str | None, str]:
+    """(reasoning_content, content) as SGLang 0.5.23's non-streaming chat path gives them with
+    `--reasoning-parser qwen3`: BaseReasoningFormatDetector._detect_and_parse_impl
+    (srt/parser/reasoning_parser.py) and serving_chat._build_chat_response (an empty reasoning is
+    null, an empty answer ""). Nothing is stripped but leading `<think>` tags."""
+    if not (force_reasoning or "<think>" in text):
+        return None, text
+    while text.startswith("<think>"):
+        text = text[len("<think>"):]
+    if "</think>" not in text:
+        tool = text.find("<tool_call>")
+        reasoning, content = (text[:tool], text[tool:]) if tool != -1 else (text, "")
+    else:
+        reasoning, content = text.split("</think>", 1)
+    return reasoning or None, content
+
+
+def reference_row(s: Served, prompt_ids: list[int], response_ids: list[int], finish_reason: str,
+                  matched_stop, *, enable_thinking: bool) -> dict:
+    """A reference decoding, independent of the project: the text of all the response ids
+    at once from the server's own tokenizer (/v1/detokenize, special tokens skipped as on the
+    chat endpoint), split as the qwen3 parser splits it, reasoning_tokens counted as SGLang
+    counts them (every token up to and including the first </think>; thinking off: 0)."""
+    r = httpx.post(s.url + "/v1/detokenize", timeout=30, json={
+        "model": s.model, "tokens": response_ids, "skip_special_tokens": True})
+    assert r.status_code == 200, r.text
+    reasoning, content = qwen3_split(r.json()["text"], force_reasoning=enable_thinking)
+    if not enable_thinking:
+        reasoning_tokens = 0
+    elif QWEN3_THINK_END in response_ids:
+        reasoning_tokens = response_ids.index(QWEN3_THINK_END) + 1
+    else:
+        reasoning_tokens = len(response_ids)
+    return {"content": content, "reasoning_content": reasoning, "response_ids": response_ids,
+            "reasoning_tokens": reasoning_tokens, "finish_reason": finish_reason,
+            "matched_stop": matched_stop}
+
+
+def project_row(s: Served, prompt_ids: list[int], response_ids: list[int], finish_reason: str,
+                matched_stop, *, enable_thinking: bool) -> dict:
+    """The project's decoding of a generation made in several requests: Ongoing.finished
+    (dflash_tasks/sglang/ongoing.py: /v1/detokenize of all the ids, reasoning.split_reasoning,
+    ongoing.reasoning_tokens). reference_row holds the same facts without the project's code."""
+    from dflash_tasks.core.jobs import GenerationParams
+    from dflash_tasks.sglang.ongoing import Ongoing
+
+    client = SGLangClient(s.url)
+    try:
+        done = Ongoing(list(prompt_ids), list(response_ids),
+                       GenerationParams(enable_thinking=enable_thinking),
+                       finish_reason=finish_reason, matched_stop=matched_stop
+                       ).finished(client, reasoning_parser="qwen3")
+    finally:
+        client.close()
+    return {"content": done.content, "reasoning_content": done.reasoning_content,
+            "response_ids": list(done.response_token_ids or ()),
+            "reasoning_tokens": done.reasoning_tokens, "finish_reason": done.finish_reason,
+            "matched_stop": done.matched_stop}
+
+
+# Who decodes a continued generation in check_cut_at_every_offset: the local reference (the
+# server's facts, always) and the project (what its rows hold).
+ROW_DECODERS = {"reference": reference_row, "project": project_row}
+
+
+DECODE_TIMEOUT_S = 60
+
+
+def within(seconds: float, fn, *args, **kwargs):
+    """fn(*args, **kwargs), or TimeoutError after `seconds` (a hung call is left behind in a
+    daemon thread rather than hanging the test run)."""
+    import threading
+
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed back to the caller below
+            out["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not return in {seconds} s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def uncut_row(answer: dict) -> dict:
+    choice, usage = answer["choices"][0], answer["usage"]
+    return {"content": choice["message"]["content"],
+            "reasoning_content": choice["message"]["reasoning_content"],
+            "response_ids": choice["response_token_ids"],
+            "reasoning_tokens": usage["reasoning_tokens"], "finish_reason": choice["finish_reason"],
+            "matched_stop": choice.get("matched_stop")}
+
+
+def check_cut_at_every_offset(s: Served, script: dict | None = None) -> None:
+    """A generation cut after k tokens, for every k from 1 to its length - 1, and continued
+    through /generate from prompt ids + the ids so far, decodes to exactly the chat endpoint's
+    answer to one uncut request: content, reasoning_content, response ids, reasoning_tokens,
+    finish_reason, matched_stop, field for field, whitespace and all. The continuation itself is
+    cut once more (a second /generate) at a point that moves with k, so boundaries between two
+    /generate requests fall everywhere too. With the tiny real model (`script`: its
+    script.json) the cuts fall inside CJK characters and an emoji split across byte-level
+    tokens, right before and after `</think>`, and right after `<think>`; thinking off, the
+    output is the answer alone. Joining each request's text would lose those characters (the
+    detokenizer decodes a request's first tokens after 5 ids of context that end inside the
+    character) and misfile an answer cut right after `</think>`: only decoding all ids at once
+    gives the uncut row."""
+    messages = [{"role": "user", "content": "Task 7: explain the cut."}]
+    for thinking in (True, False):
+        uncut = chat_raw(s, messages, BIG_CAP, enable_thinking=thinking, **SAME_SAMPLING)
+        want = uncut_row(uncut)
+        prompt_ids = uncut["choices"][0]["prompt_token_ids"]
+        ids = want["response_ids"]
+        assert want["finish_reason"] == "stop" and len(ids) > 2, dump(uncut)
+        if script is not None and thinking:
+            assert ids == script["script_ids"], (ids, script["script_ids"])
+            expected = (script["content"], script["reasoning_content"], script["reasoning_tokens"])
+            assert (want["content"], want["reasoning_content"], want["reasoning_tokens"]) == \
+                   expected, want
+        if script is not None and not thinking:  # the prompt ends with "\n\n": the answer alone
+            tail = script["script_ids"][script["think_end_index"] + 2:]
+            assert ids == tail and want["reasoning_content"] is None, want
+            assert want["content"] == script["content"].lstrip("\n") and \
+                   want["reasoning_tokens"] == 0, want
+        failures = []
+        decoders = dict(ROW_DECODERS)
+        for k in range(1, len(ids)):
+            first = chat_raw(s, messages, k, enable_thinking=thinking, **SAME_SAMPLING)
+            head = first["choices"][0]["response_token_ids"]
+            assert head == ids[:k] and first["choices"][0]["finish_reason"] == "length", (k, head)
+            so_far = list(head)
+            split = k + 1 + k % 3  # the second /generate starts here, when there is one
+            for until in ((split, len(ids)) if split < len(ids) else (len(ids),)):
+                g = generate_raw(s, prompt_ids + so_far, BIG_CAP if until == len(ids)
+                                 else until - len(so_far), **SAME_SAMPLING)
+                so_far += g["output_ids"]
+            finish = g["meta_info"]["finish_reason"]
+            assert so_far == ids, (k, so_far, ids)
+            for name, decode in list(decoders.items()):
+                try:
+                    got = within(DECODE_TIMEOUT_S, decode, s, prompt_ids, so_far, finish["type"],
+                                 finish.get("matched"), enable_thinking=thinking)
+                except Exception as exc:  # one broken decoder must not hide the others' results
+                    failures.append((name, thinking, k, f"raised {exc!r}"))
+                    del decoders[name]
+                    continue
+                if got != want:
+                    failures.append((name, thinking, k, {f: (got[f], want[f]) for f in want
+                                                         if got[f] != want[f]}))
+        assert not failures, "continued rows differ from the uncut one (decoder, thinking, k, " \
+                             "{field: (got, uncut)}):\n" + "\n".join(map(repr, failures))
+
+
+def check_sampling_defaults(s: Served, script: dict) -> None:
+    """The tiny model's penalty variant (generation_config.json: repetition_penalty 1.05,
+    min_p 0.5; a trap at script["penalty"]["trap_index"] that only the penalty avoids). The
+    chat endpoint applies generation_config's values to whatever the request leaves unset,
+    /generate never does and no endpoint reports them: the two sample alike only when the client
+    sends the same parameters to both. And SGLang's penalties count a request's own output ids
+    (plus its last input id), not the rest of its input: a penalised generation continued
+    through /generate leaves the uncut one when the cut drops the penalised token from view."""
+    pen = script["penalty"]
+    ids, trap, said = script["script_ids"], pen["trap_index"], pen["trap_token_index"]
+    same = {"repetition_penalty": pen["repetition_penalty"], "min_p": pen["min_p"]}
+    messages = [{"role": "user", "content": "Task 3: the defaults."}]
+    info = httpx.get(s.url + "/server_info", timeout=30).json()
+    model_info = httpx.get(s.url + "/model_info", timeout=10).json()
+    assert info["sampling_defaults"] == "model" and info["preferred_sampling_params"] is None
+    assert model_info["preferred_sampling_params"] is None  # generation_config's values: nowhere
+    # Chat, nothing sent but the temperature: generation_config's penalty keeps it on the script,
+    # at any temperature (min_p 0.5 leaves one candidate at every step).
+    for temperature in (0, 1, 1):
+        answer = chat_raw(s, messages, 64, temperature=temperature)["choices"][0]
+        assert answer["response_token_ids"] == ids, (temperature, answer["response_token_ids"])
+    prompt_ids = answer["prompt_token_ids"]
+    # Asked for no penalty, the chat endpoint falls into the trap as /generate does by default.
+    trapped = chat_raw(s, messages, 64, temperature=0, repetition_penalty=1.0)["choices"][0]
+    plain = generate_raw(s, prompt_ids, 64, temperature=0)
+    assert trapped["response_token_ids"] == plain["output_ids"]
+    assert plain["output_ids"][:trap] == ids[:trap]
+    assert plain["output_ids"][trap] == pen["trap_token"]
+    assert plain["meta_info"]["finish_reason"]["type"] == "length"  # it loops
+    # /generate with the same parameters as the chat endpoint used: the same output.
+    for temperature in (0, 1, 1):
+        g = generate_raw(s, prompt_ids, 64, temperature=temperature, **same)
+        assert g["output_ids"] == ids, (temperature, g["output_ids"])
+    # Continued from a cut with the same parameters: the same output only while the token the
+    # penalty holds back (said at `said`) is in the request's own view (its last input id) or
+    # the trap is behind.
+    diverged = []
+    for k in range(1, len(ids)):
+        g = generate_raw(s, prompt_ids + ids[:k], len(ids) - k, temperature=0, **same)
+        if ids[:k] + g["output_ids"] != ids:
+            diverged.append(k)
+    assert diverged == list(range(said + 2, trap + 1)), diverged

@@ -3,7 +3,7 @@
 `make test-sglang` runs the same checks against the real SGLang 0.5.23 with a tiny model
 (tests/sglang_real/); a behaviour where the two servers differ fails on one side only. The sim is
 started the way the real one is: the same served name, context length 8,192 and a fixed natural
-output length (the tiny model always says the same 15 tokens; the sim says 24 per prompt)."""
+output length (the tiny model always says the same 23 tokens; the sim says 24 per prompt)."""
 from __future__ import annotations
 
 import pytest
@@ -47,3 +47,11 @@ def test_abort_and_continue(cluster):
     port = c.start_server(0, "--model-name", "tiny-qwen2", "--fixed-tokens",
                           str(checks.ABORT_TOKENS), "--decode-tps", "1000")
     checks.check_abort_and_continue(checks.Served(f"http://127.0.0.1:{port}", "tiny-qwen2", "sim"))
+
+
+def test_cut_at_every_offset(cluster):
+    """Against a sim with a byte-level tokenizer, whose characters span several tokens as the
+    tiny real model's do."""
+    c = cluster()
+    port = c.start_server(0, *SIM_ARGS, "--tokenizer", "bytes")
+    checks.check_cut_at_every_offset(checks.Served(f"http://127.0.0.1:{port}", "tiny-qwen2", "sim"))

@@ -7,6 +7,7 @@ Redis database, worker and beat, pointed at it."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -31,16 +32,22 @@ def launch_args(python: str, model: Path, port: int) -> list[str]:
             "--context-length", str(checks.CONTEXT_LENGTH)]
 
 
-def tiny_model(python: str) -> Path:
-    """Built once per version of the builder, cached beside the environment."""
+def tiny_model(python: str, variant: str = "plain") -> Path:
+    """Built once per version of the builder and variant, cached beside the environment."""
     builder = TOOLS / "tiny_model.py"
     digest = hashlib.sha256(builder.read_bytes()).hexdigest()[:12]
-    out = Path(VENV) / "models" / f"tiny-qwen2-{digest}"
+    name = "tiny-qwen2" if variant == "plain" else f"tiny-qwen2-{variant}"
+    out = Path(VENV) / "models" / f"{name}-{digest}"
     if not (out / "script.json").exists():
-        result = subprocess.run([python, str(builder), str(out)], capture_output=True, text=True,
-                                timeout=600)
+        result = subprocess.run([python, str(builder), str(out), "--variant", variant],
+                                capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"building the tiny model failed:\n{result.stderr[-3000:]}"
     return out
+
+
+def script_of(model: Path) -> dict:
+    """What the builder recorded: the script's ids, its text, the chat endpoint's answer."""
+    return json.loads((model / "script.json").read_text())
 
 
 class _Shared:
@@ -54,12 +61,10 @@ class _Shared:
         return True
 
 
-@pytest.fixture(scope="module")
-def real_server(tmp_path_factory):
+def serve(model: Path, log: Path):
+    """A real server for `model`, up: (port, Served, Proc)."""
     python = str(Path(VENV) / "bin" / "python")
-    model = tiny_model(python)
     port = free_port()
-    log = tmp_path_factory.mktemp("sglang") / "sglang-server.log"
     proc = Proc(launch_args(python, model, port), log, env={"SGLANG_USE_CPU_ENGINE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -70,7 +75,28 @@ def real_server(tmp_path_factory):
         print(proc.log()[-4000:])
         proc.stop()
         raise
-    yield port, checks.Served(url, MODEL_NAME, "real")
+    return port, checks.Served(url, MODEL_NAME, "real"), proc
+
+
+@pytest.fixture(scope="module")
+def real_model():
+    return tiny_model(str(Path(VENV) / "bin" / "python"))
+
+
+@pytest.fixture(scope="module")
+def real_server(real_model, tmp_path_factory):
+    port, served, proc = serve(real_model, tmp_path_factory.mktemp("sglang") / "sglang-server.log")
+    yield port, served
+    proc.stop(timeout=30)
+
+
+@pytest.fixture
+def penalty_server(tmp_path):
+    """The penalty variant (generation_config.json sets repetition_penalty and min_p), for one
+    test: started and stopped there (the module's server runs beside it meanwhile)."""
+    model = tiny_model(str(Path(VENV) / "bin" / "python"), "penalty")
+    port, served, proc = serve(model, tmp_path / "sglang-server.log")
+    yield served, script_of(model)
     proc.stop(timeout=30)
 
 
@@ -102,3 +128,11 @@ def test_regenerate_continue(served_cluster, tmp_path):
 
 def test_abort_and_continue(real_server):
     checks.check_abort_and_continue(real_server[1])
+
+
+def test_cut_at_every_offset(real_server, real_model):
+    checks.check_cut_at_every_offset(real_server[1], script_of(real_model))
+
+
+def test_sampling_defaults_and_penalised_cut(penalty_server):
+    checks.check_sampling_defaults(*penalty_server)
