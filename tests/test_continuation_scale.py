@@ -13,6 +13,8 @@ import pytest
 from conftest import write_jsonl  # noqa: F401  (the tests' shared helpers load with conftest)
 from support import wait_until
 
+from dflash_dev.sim import tokens
+from dflash_dev.sim.server import split_reasoning
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import JobName
 from dflash_tasks.ledger import Ledger
@@ -100,11 +102,14 @@ def test_continuing_truncated_rows_keeps_their_prefixes_out_of_redis(cluster, tm
         assert new["token_ids"]["response"][:CUT] == prefix, pid
         assert new["token_ids"]["prompt"] == old["token_ids"]["prompt"], pid
         meta = new["metadata"]
-        if "gpus" in meta:  # made in rounds (or moved): shares of what follows the prefix
-            assert meta["continued_tokens"] >= CUT, pid
-            assert CUT + sum(g["tokens"] for g in meta["gpus"]) == meta["completion_tokens"], pid
-        else:
-            assert meta["continued_tokens"] == CUT, pid
+        # Its prefix is what it kept; the shares (the prefix's, then those of the GPUs that went
+        # on, in rounds or moved) add up to the whole output.
+        assert meta["continued_tokens"] == CUT, pid
+        assert sum(g["tokens"] for g in meta["gpus"]) == meta["completion_tokens"], pid
+        assert meta["gpus"][0]["tokens"] == CUT, pid
         assert new["metadata"]["completion_tokens"] > CUT
-        assert new["conversations"][-1]["reasoning_content"].startswith(
-            old["conversations"][-1]["reasoning_content"]), pid
+        # Its text is the server's decoding of all its ids (the old row's made-up words are not
+        # the text of its random ids: they are not kept).
+        whole = tokens.decode(new["token_ids"]["response"], skip_special=True)
+        turn = new["conversations"][-1]
+        assert (turn["reasoning_content"], turn["content"]) == split_reasoning(whole, True), pid

@@ -5,18 +5,21 @@ simulated server, like SGLang at temperature 0, continues a sequence exactly as 
 gone on), its counters counting each token once, its metadata naming every GPU that worked on
 it. A warm stop takes the same path, so its long generations are neither thrown away nor waited
 for. Each way a move can break leaves one row: an order that lapses, a hand-over whose prompt
-left meanwhile, a worker killed between the hand-over and its message."""
+left meanwhile, a worker killed between the hand-over and its message. A move aborts exactly its
+own request, whatever the prompt ids (issue 38)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from hashlib import sha1
 from pathlib import Path
 
 import httpx
 import pytest
 import redis as redis_lib
 from conftest import write_jsonl
-from failure_support import check_books, counters, prompts, reference_ids
+from failure_support import check_books, counters, prompts, reference_ids, sim_stats
 from support import wait_until
 
 from dflash_tasks.core import jobs
@@ -25,6 +28,7 @@ from dflash_tasks.core.settings import Settings
 from dflash_tasks.dispatch import window as dispatch_window
 from dflash_tasks.ledger import Ledger
 from dflash_tasks.ledger.messages import encode_messages
+from dflash_tasks.worker.shutdown import Shutdown
 
 FAST, SLOW = "gpu0@a", "gpu1@a"
 
@@ -42,6 +46,25 @@ def _take(book: Ledger, job: str, gpu: str, window: int) -> list[str]:
     job = JobName(job)
     return dispatch_window.take(book.r, Settings(), job, gpu, window, task="dflash_tasks.generate",
                                 origin="t", reply_to="")
+
+
+def test_a_move_aborts_exactly_the_requests_of_its_prompt_and_no_rid_begins_another():
+    """Prompt ids are free text: `x`'s rid once began those of `x:1` and `x:10`, and the
+    registry aborted by that prefix. It aborts by (job, prompt id) now, and every rid begins
+    with a token of its own, as SGLang's /abort_request matches by prefix."""
+    running, aborted = Shutdown(), []
+    requests = [("j", "x"), ("j", "x:1"), ("j", "x:10"), ("j", "x:"), ("other", "x"), ("j", "x")]
+    rids = [running.request_id(job, pid, 1) for job, pid in requests]
+    with contextlib.ExitStack() as stack:
+        for i, ((job, pid), rid) in enumerate(zip(requests, rids)):
+            stack.enter_context(running.tracked(job, pid, rid, lambda i=i: aborted.append(i)))
+        assert running.abort_prompt("j", "x") == 2 and aborted == [0, 5]  # a second delivery too
+        assert running.abort_prompt("j", "x:1") == 1 and aborted[2:] == [1]
+        assert running.abort_prompt("j", "y") == 0 and running.abort_prompt("other", "x:1") == 0
+    assert running.abort_prompt("j", "x") == 0   # a request that ended is no longer tracked
+    assert not [(a, b) for a in rids for b in rids if a is not b and b.startswith(a)]
+    token, _, rest = rids[1].partition(":")
+    assert len(token) == 32 and rest == "j:x:1:1"  # readable in the logs after its token
 
 
 def test_an_idle_fast_gpu_orders_the_last_generation_of_a_slower_one_moved(redis_url):
@@ -64,17 +87,24 @@ def test_an_idle_fast_gpu_orders_the_last_generation_of_a_slower_one_moved(redis
     assert dispatch_window.migration_target(r, JobName("end"), ordered, SLOW) == FAST
     assert dispatch_window.migration_target(r, JobName("end"), ordered, FAST) is None
 
-    # The hand-over moves the prompt and its entry once; a second (a duplicate) moves nothing.
-    assert dispatch_window.hand_over(r, JobName("end"), ordered, SLOW, FAST, b"entry", 123)
+    # The hand-over moves the prompt and its entry once; a second (a duplicate) moves nothing,
+    # nor does one whose entry is no longer the one its request started from.
+    read = {pid: sha1(r.hget(k.prompts, pid)).hexdigest() for pid in (ordered, newest)}
+    assert not dispatch_window.hand_over(r, JobName("end"), ordered, SLOW, FAST, b"entry", 123,
+                                         sha1(b"an older entry").hexdigest())
+    assert dispatch_window.hand_over(r, JobName("end"), ordered, SLOW, FAST, b"entry", 123,
+                                     read[ordered])
     assert r.zscore(k.inflight(FAST), ordered) is not None
     assert r.zscore(k.inflight(SLOW), ordered) is None and r.hget(k.prompts, ordered) == b"entry"
-    assert not dispatch_window.hand_over(r, JobName("end"), ordered, SLOW, FAST, b"entry", 123)
+    assert not dispatch_window.hand_over(r, JobName("end"), ordered, SLOW, FAST, b"entry", 123,
+                                         read[ordered])
     c = counters(type("C", (), {"r": r}), "end")
     assert (c["migrated"], c["migrated_tokens"]) == (1, 123)
     # An order whose prompt left the GPU (its row came, it was recalled) lapses at the next take.
     [other] = [i for i in (v.decode() for v in r.hkeys(k.migrating))]
     dispatch_window.recall(r, JobName("end"), SLOW, [other])
-    assert not dispatch_window.hand_over(r, JobName("end"), other, SLOW, FAST, b"entry", 5)
+    assert not dispatch_window.hand_over(r, JobName("end"), other, SLOW, FAST, b"entry", 5,
+                                         sha1(r.hget(k.prompts, other)).hexdigest())
     _take(book, "end", FAST, 4)
     assert other.encode() not in r.hkeys(k.migrating)
     # A GPU no faster than the others orders nothing.
@@ -113,7 +143,8 @@ def test_long_generations_on_a_slow_gpu_finish_on_the_fast_one_as_one_row(cluste
         meta = row["metadata"]
         assert [g["gpu"] for g in meta["gpus"]] == [c.gpu(1), c.gpu(0)], meta["gpus"]
         assert sum(g["tokens"] for g in meta["gpus"]) == meta["completion_tokens"] == 1500
-        assert meta["gpu"] == c.gpu(0) and meta["continued_tokens"] == meta["gpus"][0]["tokens"]
+        # Moved, nothing of it was a truncated row's prefix: continued_tokens says only that.
+        assert meta["gpu"] == c.gpu(0) and "continued_tokens" not in meta
         assert row["token_ids"]["response"] == \
             reference_ids(f"http://127.0.0.1:{reference}", asked[row["id"]], 4096), row["id"]
     snap = c.status("tail")
@@ -178,3 +209,42 @@ def test_a_worker_killed_between_the_hand_over_and_its_message_loses_nothing(clu
     check_books(c, "mid", {row["id"] for row in rows})
     assert "dispatching them again" in c.beat.log()
     assert json.loads(c.manage("status", "--job", "mid", "--json").stdout)["failed"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_moving_prompt_x_leaves_x_1_and_x_10_running_and_spends_no_attempt(cluster, tmp_path):
+    """Prompts `x`, `x:1` and `x:10` run on GPU 1; the test orders `x` moved to GPU 0 (as
+    take.lua does; the GPUs' speeds, unknown here and the ratio out of reach, order nothing on
+    their own). Only `x`'s request is aborted: the other two keep decoding on GPU 1, and end in
+    one request each."""
+    c = cluster()
+    c.env["DFLASH_ENDGAME_FASTER_RATIO"] = "1000"  # the test's order is the only one
+    c.start_server(0, "--slots", "4", "--decode-tps", "4000", "--fixed-tokens", "2000")
+    c.start_server(1, "--slots", "4", "--decode-tps", "100", "--fixed-tokens", "2000")  # 20 s
+    slow = c.start_worker(1, "--concurrency", "3")
+    c.start_beat()
+    ids = ["x", "x:1", "x:10"]
+    rows = [{"id": pid, "prompt": f"Tell me about {pid}."} for pid in ids]
+    c.manage("enqueue", "--dataset", str(write_jsonl(tmp_path / "d.jsonl", rows)), "--job", "ids",
+             "--max-output-tokens", "4096")
+    wait_until(lambda: sim_stats(c.url(1))["running"] == 3, timeout=60,
+               what="the three generations running on GPU 1")
+    c.start_worker(0, "--concurrency", "3")
+    k = JobName("ids")
+    c.r.hset(k.migrating, "x", f"{c.gpu(1)} {c.gpu(0)} {c.r.time()[0]}")
+    c.r.lpush(MIGRATIONS + c.gpu(1), "ids\nx")
+    wait_until(lambda: sim_stats(c.url(1))["completed"].get("abort"), timeout=30,
+               what="x's request aborted on GPU 1")
+    # Seconds into their 20 s: x:1's and x:10's requests are still the ones running there.
+    stats = sim_stats(c.url(1))
+    assert stats["completed"] == {"abort": 1} and stats["running"] == 2, stats
+    c.wait_done("ids", timeout=120)
+    done = {row["id"]: row["metadata"] for row in check_books(c, "ids", set(ids))}
+    assert [g["gpu"] for g in done["x"]["gpus"]] == [c.gpu(1), c.gpu(0)]
+    for pid in ("x:1", "x:10"):
+        assert "gpus" not in done[pid] and done[pid]["gpu"] == c.gpu(1), done[pid]
+        assert done[pid]["attempts"] == 1 and done[pid]["completion_tokens"] == 2000
+    assert sim_stats(c.url(1))["completed"] == {"abort": 1, "stop": 2}
+    spent = counters(c, "ids")
+    assert spent["migrated"] == 1 and not [n for n in spent if "retr" in n], spent
+    assert slow.log().count("aborted here, to be continued on a faster GPU") == 1

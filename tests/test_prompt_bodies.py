@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
 
 import pytest
 import redis
+from failure_support import check_books, sim_hold, sim_release, sim_stats
 from s3support import BUCKET, TcpProxy, assert_shipped_exactly_once, s3_cluster, storage
 from support import wait_until
-from test_pipeline import assert_exactly_once, dataset, start
+from test_pipeline import SIM_ARGS, assert_exactly_once, dataset, start
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import JobName
@@ -20,8 +22,8 @@ from dflash_tasks.core.settings import Settings
 from dflash_tasks.ingest.loader import PromptLoader
 from dflash_tasks.ingest.prompts import Prompt
 from dflash_tasks.ledger import Ledger, bodies
-from dflash_tasks.ledger.messages import decode_messages
-from dflash_tasks.output.storage import LocalStorage, StorageError, StorageNotFound
+from dflash_tasks.ledger.messages import compress_messages_json, decode_messages
+from dflash_tasks.output.storage import LocalStorage, StorageCorrupt, StorageError, StorageNotFound
 
 
 def prompts(n: int, start: int = 0) -> list[Prompt]:
@@ -93,6 +95,45 @@ def test_storage_ranged_reads_and_prefix_removal_locally_and_on_s3(tmp_path, mot
         local.delete_prefix("../elsewhere/")
 
 
+def garble(chunk, ref: bodies.Reference, how: str) -> None:
+    """Overwrite one frame of a chunk in place, its length kept: with zeros (not a zstd frame,
+    and not JSON), or behind zstd's magic number (a frame that does not decompress)."""
+    with open(chunk, "r+b") as f:
+        if how == "zeros":
+            f.seek(ref.offset)
+            f.write(bytes(ref.length))
+        else:
+            f.seek(ref.offset + 4)
+            f.write(b"\xff" * (ref.length - 4))
+
+
+def test_a_body_read_tells_bytes_that_are_not_a_prompt_from_a_storage_that_gives_none(tmp_path):
+    """Issue 38, item 7: what bodies.read_body raises decides between holding the GPU (the
+    storage's errors) and failing the prompt (BodyCorrupt, BodyLost)."""
+    st = LocalStorage(tmp_path)
+    turns = [{"role": "user", "content": "question ✓"}]
+    entries = [turns, {"messages": turns, "continue": {"response_ids": [1, 2]}}, turns, turns,
+               {"not": "a conversation"}]
+    frames = [compress_messages_json(json.dumps(e).encode()) for e in entries]
+    refs = bodies.write_chunk(st, "j", 1, frames)
+    chunk = tmp_path / "j" / bodies.BODIES_DIR / "chunk-000001.zst"
+    garble(chunk, bodies.Reference.parse(refs[2]), "zeros")
+    garble(chunk, bodies.Reference.parse(refs[3]), "behind the magic")
+    assert bodies.read_body(st, "j", refs[0]) == turns
+    assert bodies.read_body(st, "j", refs[1]) == entries[1]  # regenerate --continue's entry
+    for ref, why in ((refs[2], "JSONDecodeError|UnicodeDecodeError"), (refs[3], "ZstdError"),
+                     (refs[4], "JSON of the wrong shape")):
+        with pytest.raises(bodies.BodyCorrupt, match=f"chunk-000001.zst: bytes .* are not a "
+                                                     f"prompt's text \\(({why})"):
+            bodies.read_body(st, "j", ref)
+    with pytest.raises(bodies.BodyLost):
+        bodies.read_body(st, "j", b"@1:x")
+    with pytest.raises(StorageCorrupt, match="shorter than its references"):
+        bodies.read_body(st, "j", b"@1:0:100000")
+    with pytest.raises(StorageNotFound):
+        bodies.read_body(st, "j", bodies.Reference(2, 0, 10).encode())
+
+
 def test_a_run_with_bodies_on_local_storage_regenerated_then_deleted(cluster, tmp_path):
     c = cluster()
     start(c)
@@ -132,7 +173,7 @@ def test_a_run_with_bodies_on_local_storage_regenerated_then_deleted(cluster, tm
 
     out = c.manage("delete", "--job", "local", "--yes")
     assert "2 chunks of prompt bodies removed" in out.stdout
-    assert not (c.output_dir / "local" / bodies.BODIES_DIR).exists()
+    assert chunk_files(c.output_dir, "local") == []
     assert list((c.output_dir / "local" / "batches").iterdir()), "shipped batches stay"
 
 
@@ -164,38 +205,113 @@ def test_s3_out_while_bodies_are_read_spends_no_attempt_and_loses_nothing(cluste
     assert worker_log.count("cannot read its text") == 1, worker_log[-3000:]
     assert worker_log.count("prompt texts readable again") == 1
 
-    # delete with S3 cut: refused, the job as it was; then, S3 back, the job and its chunk go.
-    keys = sorted(c.r.keys("dflash:{cut}:*"))
+    # delete with S3 cut: the job leaves Redis all the same, and the command fails saying where
+    # its chunk is left and what removes it (issue 38). A new job of the same name, enqueued
+    # before that runs, keeps its own chunk: numbered after the deleted job's.
+    # Its chunks: the enqueue's, and those the end game's rounds stored and removed again.
+    last = jobs.last_body_chunk(c.r, JobName("cut"))
     proxy.stop()
     try:
-        refused = c.manage("delete", "--job", "cut", "--yes", check=False)
+        left = c.manage("delete", "--job", "cut", "--yes", check=False)
     finally:
         proxy.start()
-    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
-    assert "nothing was deleted: run delete again when the storage answers" in refused.stderr
-    assert sorted(c.r.keys("dflash:{cut}:*")) == keys
-    c.manage("delete", "--job", "cut", "--yes")
-    assert st.list("cut/prompts/") == [] and not c.r.keys("dflash:{cut}:*")
+    assert left.returncode == 1 and "Traceback" not in left.stderr, left.stderr
+    said = " ".join(left.stderr.split())
+    assert f"job cut is deleted, but its prompt chunks under s3://{BUCKET}/runs (those numbered " \
+           f"{last} or lower in cut/prompts/) could not be removed" in said, said
+    assert not c.r.keys("dflash:{cut}:*")
+    assert st.list("cut/prompts/") == ["cut/prompts/chunk-000001.zst"]
+    again, _ = dataset(tmp_path, 30)
+    c.manage("enqueue", "--dataset", str(again), "--job", "cut", "--bodies", "storage",
+             "--nodes", "elsewhere")  # no GPU here takes it: its prompts stay to be read
+    [command] = re.findall(r"`manage\.py (remove-chunks [^`]+)`", said)
+    assert "removed from" in c.manage(*command.split()).stdout
+    assert st.list("cut/prompts/") == [f"cut/prompts/chunk-{last + 1:06d}.zst"]
+    refs = c.r.hvals("dflash:{cut}:prompts")
+    assert len(refs) == 30 and all(bodies.read_frame(st, "cut", ref) for ref in refs)
     assert st.list("cut/batches/"), "shipped batches stay"
 
 
-def test_a_chunk_gone_fails_its_prompts_for_good_with_the_reason(cluster, tmp_path):
+def test_bodies_gone_from_under_a_running_worker_hold_its_gpu_and_fail_nothing(cluster, tmp_path):
+    """Issue 38, item 7: a storage fault is never the prompt's. Mid-run, the job's chunks vanish
+    from the worker's view (their directory renamed away: to a reader, an unmount). Before, each
+    prompt the worker took failed at once (prompt_body_missing), and one node drained the job
+    into the failed registry; now the GPU holds, `status` says why, nothing fails and no attempt
+    is spent, and once the directory is back the job finishes with every row. The deployed
+    breaker wait and retry policy (the tests' cluster shortens the retries: set back here)."""
+    c = cluster(retry_base_s=2, retry_cap_s=120)
+    path, ids = dataset(tmp_path, 400)
+    c.manage("enqueue", "--dataset", str(path), "--job", "unmount", "--gpus", "1",
+             "--bodies", "storage")
+    c.start_server(0, *SIM_ARGS)
+    sim_hold(c.url(0))  # the first requests wait for their answers: the run is under way
+    c.start_worker(0)
+    c.start_beat()
+    wait_until(lambda: sim_stats(c.url(0))["requests"] >= 40, timeout=60,
+               what="the first requests, their texts read")
+    chunks = c.output_dir / "unmount" / bodies.BODIES_DIR
+    away = chunks.with_name("prompts-unmounted")
+    chunks.rename(away)
+    sim_release(c.url(0))
+
+    held = wait_until(lambda: (g := c.status("unmount")["gpus"][c.gpu(0)])["state"] ==
+                      "misconfigured" and g, timeout=60, what="the GPU held, with the reason")
+    assert "prompt_storage_missing: job unmount: " in held["state_reason"], held
+    assert "chunk-000001.zst: no such file" in held["state_reason"], held
+    assert "prompt_storage_missing" in c.manage("status", "--job", "unmount").stdout
+    snap = c.status("unmount")
+    assert snap["failed"] == 0 and 0 < snap["completed"] < len(ids), snap
+    assert "circuit open, prompt_storage_missing" in c.workers[0].log()
+
+    # Back: the chunks return beside any a writer stored meanwhile (a generation's entry,
+    # kept as a chunk once its round ends).
+    chunks.mkdir(exist_ok=True)
+    for chunk in away.iterdir():
+        chunk.rename(chunks / chunk.name)
+    away.rmdir()
+    c.wait_done("unmount", timeout=240)
+    rows = assert_exactly_once(c, "unmount", ids)
+    assert {row["metadata"]["attempts"] for row in rows} == {1}, "a storage fault spends no attempt"
+    worker_log = c.workers[0].log()
+    assert "unexpected error" not in worker_log
+    assert "circuit closed, reads of the prompts' texts work again" in worker_log
+
+
+def test_a_chunk_garbled_in_place_fails_only_its_garbled_prompts(cluster, tmp_path):
+    """Issue 38, item 7: bytes that are there but do not decode (a frame that is not zstd, or
+    that does not decompress) are the prompt's loss, not the storage's: those prompts fail for
+    good with their own reason, prompt_body_corrupt (before: internal_error), naming the chunk
+    and the range; the rest of the job completes and the GPU never stops."""
     c = cluster()
-    path, ids = dataset(tmp_path, 50)
-    c.manage("enqueue", "--dataset", str(path), "--job", "gone", "--gpus", "1", "--bodies", "storage")
-    (c.output_dir / "gone" / bodies.BODIES_DIR / "chunk-000001.zst").unlink()
-    start(c, gpus=(0,), beat=False)
-    wait_until(lambda: int(c.r.hget("dflash:{gone}:counters", "failed") or 0) == 50, timeout=120,
-               what="every prompt of the lost chunk to fail")
-    records = [json.loads(v) for v in c.r.hvals("dflash:{gone}:failed")]
-    assert {r["reason"] for r in records} == {"prompt_body_missing"}
-    assert all("chunk-000001.zst" in r["error"] and r["class"] == "permanent" for r in records)
+    path, ids = dataset(tmp_path, 60)
+    c.manage("enqueue", "--dataset", str(path), "--job", "garbled", "--gpus", "1",
+             "--bodies", "storage")
+    refs = {pid.decode(): bodies.Reference.parse(ref)
+            for pid, ref in c.r.hgetall(JobName("garbled").prompts).items()}
+    chunk = c.output_dir / "garbled" / bodies.BODIES_DIR / "chunk-000001.zst"
+    size = chunk.stat().st_size
+    garble(chunk, refs["p00005"], "zeros")
+    garble(chunk, refs["p00017"], "behind the magic")
+    assert chunk.stat().st_size == size
+    start(c, gpus=(0,))
+    c.wait_done("garbled", timeout=120)
+    lost = {"p00005", "p00017"}
+    check_books(c, "garbled", ids - lost, lost)
+    report = json.loads(c.manage("failed", "--job", "garbled", "--json").stdout)
+    assert set(report["reasons"]) == {"prompt_body_corrupt"}
+    records = [json.loads(v) for v in c.r.hvals(JobName("garbled").failed)]
+    assert all(r["class"] == "permanent" and "chunk-000001.zst: bytes " in r["error"]
+               for r in records), records
+    assert c.status("garbled")["gpus"][c.gpu(0)]["state"] == "serving"
+    assert "unexpected error" not in c.workers[0].log()
 
 
 def test_a_chunk_cut_short_fails_only_its_lost_prompts_at_once(cluster, moto, tmp_path):
     """Issue 27, item 10: an object shorter than its references (on S3: a ranged read past its
     end answers 416, or fewer bytes). Before: retried forever (532 retries after 40 s). Now the
-    prompts whose bytes are gone fail at once, prompt_body_missing; the others are generated."""
+    prompts whose bytes are gone fail at once; the others are generated. Issue 38, item 7: the
+    object answers, so its bytes are the prompts' loss, not the storage's fault: their reason is
+    prompt_body_corrupt (a chunk not found holds the GPU instead)."""
     c = s3_cluster(cluster, moto.url)
     path, ids = dataset(tmp_path, 40)
     c.manage("enqueue", "--dataset", str(path), "--job", "short", "--gpus", "1", "--bodies", "storage")
@@ -211,7 +327,7 @@ def test_a_chunk_cut_short_fails_only_its_lost_prompts_at_once(cluster, moto, tm
     snap = c.wait_done("short", timeout=120)
     assert snap["failed"] == len(lost) and snap["completed"] == len(ids) - len(lost)
     assert set(json.loads(c.manage("failed", "--job", "short", "--json").stdout)["reasons"]) == \
-        {"prompt_body_missing"}
+        {"prompt_body_corrupt"}
     assert {k.decode() for k in c.r.hkeys("dflash:{short}:failed")} == lost
     assert snap["retry_reasons"].get("prompt_storage", 0) == 0
 

@@ -7,6 +7,8 @@ from a sequence exactly as it would have), counted once, its metadata naming the
 it and their shares; a cut at a round's end is never a row."""
 from __future__ import annotations
 
+from hashlib import sha1
+
 import pytest
 import redis as redis_lib
 from conftest import write_jsonl
@@ -44,14 +46,21 @@ def test_a_generation_cut_at_its_rounds_end_goes_behind_the_prompts_not_started(
     taken = window.take(r, Settings(), job, GPU, 2, task="dflash_tasks.generate", origin="t",
                         reply_to="")
     assert taken == ["p0", "p1"]
-    assert window.next_round(r, job, "p0", GPU, b"entry", 1024)
+    first = {p: sha1(r.hget(job.prompts, p)).hexdigest() for p in ("p0", "p1")}
+    assert window.next_round(r, job, "p0", GPU, b"entry", 1024, first["p0"])
     assert [i.decode() for i in r.lrange(job.pending, 0, -1)] == ["p2", "p3", "p0"]
     assert r.hget(job.prompts, "p0") == b"entry" and r.zscore(job.inflight(GPU), "p0") is None
     # Once only: a second delivery of the same round moves nothing, nor does a prompt recalled.
-    assert not window.next_round(r, job, "p0", GPU, b"other", 1024)
+    assert not window.next_round(r, job, "p0", GPU, b"other", 1024, first["p0"])
     window.recall(r, job, GPU, ["p1"])
-    assert not window.next_round(r, job, "p1", GPU, b"other", 1024)
+    assert not window.next_round(r, job, "p1", GPU, b"other", 1024, first["p1"])
     assert r.hget(job.prompts, "p0") == b"entry"
+    # A stale delivery of the first round, still running while the generation went on and was
+    # dispatched here again, hands nothing on: its round is not counted twice.
+    r.lrem(job.pending, 1, "p0")
+    r.zadd(job.inflight(GPU), {"p0": 1})
+    assert not window.next_round(r, job, "p0", GPU, b"stale", 1024, first["p0"])
+    assert r.hget(job.prompts, "p0") == b"entry" and r.zscore(job.inflight(GPU), "p0") == 1
     c = counters(type("C", (), {"r": r}), "rounds")
     assert (c["rounds"], c["round_tokens"]) == (1, 1024)
 

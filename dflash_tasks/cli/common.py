@@ -52,7 +52,8 @@ def _given(ctx, param, value):
 
 
 def generation_options(shown_defaults: bool):
-    """--max-output-tokens, --temperature, --top-p and --top-k with their bounds. A new job's
+    """--max-output-tokens, --temperature, --top-p, --top-k, --min-p, --repetition-penalty and
+    --thinking with their bounds. A new job's
     defaults are shown as click shows any default; `set` (shown_defaults False) keeps the job's
     current value of what it is not given, so it shows none. Each option's value is None when it
     is not given (_given)."""
@@ -73,12 +74,38 @@ def generation_options(shown_defaults: bool):
                          callback=_given, help="Nucleus sampling.", **shown(new.top_p)),
             click.option("--top-k", type=int, callback=_top_k,
                          help="Top-k sampling: -1 (off) or at least 1.", **shown(new.top_k)),
-            click.option("--thinking/--no-thinking", callback=_given, help="Qwen3's thinking mode.",
+            click.option("--min-p", type=FiniteFloatRange(min=0, max=1), callback=_given,
+                         help="Min-p sampling (0: off).", **shown(new.min_p)),
+            click.option("--repetition-penalty", type=FiniteFloatRange(min=0, max=2, min_open=True),
+                         callback=_given, help="Repetition penalty (1: off). A penalised "
+                         "generation runs in one request: it is never cut into rounds or moved.",
+                         **shown(new.repetition_penalty)),
+            click.option("--thinking/--no-thinking", callback=_given,
+                         help="Qwen3's thinking mode, fixed when the job is created.",
                          **(shown(new.enable_thinking) if shown_defaults else {"default": None})),
         ]):
             f = option(f)
         return f
     return decorate
+
+
+def params_or_fail(name, base, *, existing: bool, max_output_tokens=None, temperature=None,
+                   top_p=None, top_k=None, min_p=None, repetition_penalty=None, thinking=None):
+    """`base` with the generation options given (None: not given). A job's thinking mode is fixed
+    when it is created: its rows would otherwise mix two modes, which the training gate refuses
+    (training/data/thinking.py), and a generation already started was rendered in the old one."""
+    if existing and thinking is not None and thinking != base.enable_thinking:
+        mode = "on" if base.enable_thinking else "off"
+        raise click.UsageError(
+            f"job {name} was created with thinking {mode}; a job's thinking mode is fixed when it "
+            "is created (its rows would mix two modes, which training refuses): enqueue the "
+            "dataset as a new job instead")
+    try:
+        return base.replace(max_tokens=max_output_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                            enable_thinking=thinking)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def file_to_write(suffix: str):

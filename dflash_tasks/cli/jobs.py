@@ -6,6 +6,7 @@ import click
 from rich.table import Table
 
 from dflash_tasks.cli.common import (
+    JOB,
     allowed_or_fail,
     change_state,
     changed_meanwhile,
@@ -13,6 +14,7 @@ from dflash_tasks.cli.common import (
     generation_options,
     job_option,
     job_or_fail,
+    params_or_fail,
     redis_or_fail,
 )
 from dflash_tasks.core import jobs, lifecycle
@@ -95,9 +97,11 @@ def cancel(name: JobName) -> None:
 @click.command("set")
 @job_option
 @generation_options(shown_defaults=False)
-def set_params(name: JobName, max_output_tokens, temperature, top_p, top_k, thinking) -> None:
-    """Change the job's generation parameters for every prompt not yet sent to a server,
-    without stopping workers or servers. What is not given keeps the job's current value."""
+def set_params(name: JobName, **options) -> None:
+    """Change the job's generation parameters for every prompt not yet started, without
+    stopping workers or servers; a generation already started (in rounds, moved, waiting to go
+    on) keeps the sampling it started with, and takes the new cap. What is not given keeps the
+    job's current value; the thinking mode is fixed when the job is created."""
     from dflash_tasks.core.lifecycle import TRANSITIONS
     from dflash_tasks.ledger import shared_ledger
 
@@ -105,11 +109,7 @@ def set_params(name: JobName, max_output_tokens, temperature, top_p, top_k, thin
     job = job_or_fail(r, name)
     allowed_or_fail("set", job)
     old = job.params
-    try:
-        new = old.replace(max_tokens=max_output_tokens, temperature=temperature, top_p=top_p,
-                          top_k=top_k, enable_thinking=thinking)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+    new = params_or_fail(name, old, existing=True, **options)
     get_settings().failpoint("set.before_apply")
     # Compare and set against the parameters read above, so a concurrent command (another set,
     # an enqueue with parameters) is never overwritten; any state set is allowed in will do.
@@ -118,7 +118,8 @@ def set_params(name: JobName, max_output_tokens, temperature, top_p, top_k, thin
     if wrong:
         raise click.ClickException(f"{changed_meanwhile(name, job.stored, wrong)}; nothing was changed: run "
                                    "the command again")
-    for field in ("max_tokens", "temperature", "top_p", "top_k", "enable_thinking"):
+    for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                  "enable_thinking"):
         before, after = getattr(old, field), getattr(new, field)
         mark = "  (changed)" if before != after else ""
         console.print(f"{field:16} {before} -> {after}{mark}")
@@ -128,40 +129,67 @@ def set_params(name: JobName, max_output_tokens, temperature, top_p, top_k, thin
 @job_option
 @click.confirmation_option(prompt="Remove this job and all its prompts from Redis?")
 def delete(name: JobName) -> None:
-    """Remove a job (not running) and every Redis key it has, and its prompt bodies kept on
+    """Remove a job (not running) and every Redis key it has, then its prompt bodies kept on
     storage (`enqueue --bodies storage`); batches already shipped stay in the output directory
     or bucket."""
-    from dflash_tasks.ledger.bodies import remove_chunks
     from dflash_tasks.output.spool import Spool
-    from dflash_tasks.output.storage import StorageError, storage_at
 
     r = redis_or_fail()
     job = job_or_fail(r, name)
     allowed_or_fail("delete", job)
-    # The chunks first: a storage that does not answer leaves the job as it was, to delete again.
-    # (The job is paused or cancelled: nothing reads a chunk meanwhile.)
-    location = jobs.body_location(r, name)
-    chunks = 0
-    if location is not None:
-        try:
-            chunks = remove_chunks(storage_at(location, get_settings()), name)
-        except StorageError as exc:
-            raise click.ClickException(f"job {name}: its prompt chunks under {location} could not "
-                                       f"be removed ({exc}); nothing was deleted: run delete again "
-                                       "when the storage answers") from None
     spooled = int(r.hget(job.name.counters, "spooled") or 0)
-    try:  # compare and delete: a resume since it was read keeps the job
-        removed = jobs.delete(r, name, allowed=lifecycle.TRANSITIONS["delete"])
+    # Redis first, compare and delete in one transaction: a resume or enqueue since the job was
+    # read keeps it whole, chunks included; once it is gone no command stores chunks for it.
+    get_settings().failpoint("delete.before_apply")
+    try:
+        gone = jobs.delete(r, name, allowed=lifecycle.TRANSITIONS["delete"])
     except (ValueError, jobs.JobDeleted) as exc:
         raise click.ClickException(f"{exc}; nothing was deleted") from None
-    console.print(f"job {name}: deleted ({removed} Redis keys); its shipped batches are kept")
+    console.print(f"job {name}: deleted ({gone.keys} Redis keys); its shipped batches are kept")
     # Batches beat spooled during an S3 outage and never shipped: their rows leave with the job.
     spool = Spool(get_settings().spool_path())
-    gone = spool.remove_job(name)
-    if gone:
-        console.print(f"job {name}: {gone:,} batches removed from the spool {spool.root}")
+    removed = spool.remove_job(name)
+    if removed:
+        console.print(f"job {name}: {removed:,} batches removed from the spool {spool.root}")
     elif spooled:
         console.print(f"job {name}: {spooled:,} batches of it were in beat's spool, not on this "
                       f"machine: remove {spool.root / name} on beat's machine")
-    if location is not None:
-        console.print(f"job {name}: {chunks:,} chunks of prompt bodies removed from {location}")
+    if gone.bodies is not None:
+        get_settings().failpoint("delete.before_chunks")
+        _remove_chunks(name, gone.bodies, gone.chunks_through)
+
+
+def _remove_chunks(name: JobName, location: str, through: int) -> None:
+    """A deleted job's chunks of prompt bodies, removed; a storage that does not answer fails
+    the command (exit 1) with where they are and the command that removes them later."""
+    from dflash_tasks.ledger.bodies import chunks_prefix, remove_chunks
+    from dflash_tasks.output.storage import StorageError, storage_at
+
+    try:
+        storage = storage_at(location, get_settings())
+        where = storage.location(chunks_prefix(name))
+        chunks = remove_chunks(storage, name, through)
+    except StorageError as exc:
+        raise click.ClickException(
+            f"job {name} is deleted, but its prompt chunks under {location} (those numbered "
+            f"{through} or lower in {name}/prompts/) could not be removed ({exc}); once the "
+            f"storage answers, run {remove_chunks_command(name, location, through)}") from None
+    console.print(f"job {name}: {chunks:,} chunks of prompt bodies removed from {where}")
+
+
+def remove_chunks_command(name: JobName, location: str, through: int) -> str:
+    return f"`manage.py remove-chunks --job {name} --location {location} --through {through}`"
+
+
+@click.command("remove-chunks")
+@click.option("--job", "name", type=JOB, required=True, metavar="NAME",
+              help="The deleted job whose chunks are left.")
+@click.option("--location", required=True, metavar="DIR_OR_S3_URI",
+              help="Where its prompt bodies were kept, as `delete` said.")
+@click.option("--through", type=click.IntRange(min=0), required=True, metavar="N",
+              help="The highest chunk number of the deleted job, as `delete` said.")
+def remove_chunks_left(name: JobName, location: str, through: int) -> None:
+    """Remove the chunks of prompt bodies a deleted job left on storage (`delete` names them
+    when the storage did not answer): those numbered N or lower under the location's
+    <job>/prompts/. A later job of the same name numbers its chunks higher and keeps them."""
+    _remove_chunks(name, location, through)

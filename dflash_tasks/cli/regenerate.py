@@ -206,7 +206,7 @@ def _continue_from_index(book, r, storage, spool, name: JobName, cap: int, tally
     """Truncated rows continued from their token ids: the index finds them and says where each
     is; only the batches holding them are read, each once, oldest first."""
     from dflash_tasks.output.batches import rows_at
-    from dflash_tasks.sglang.continuation import entry_from_row
+    from dflash_tasks.sglang.ongoing import entry_from_row
 
     truncated = {ended.id: ended for ended in book.ended_rows(name, "length", prompts=False)}
     for ended in truncated.values():  # refused before anything is taken back
@@ -214,7 +214,8 @@ def _continue_from_index(book, r, storage, spool, name: JobName, cap: int, tally
             _refuse_capped(name, ended.id, ended.completion_tokens, cap)
     places = [(ended.entry, ended.id) for ended in truncated.values()]
     for prompt_id, row in rows_at(r, storage, name, places, spool=spool):
-        tally.reopen(book, name, truncated[prompt_id], entry_from_row(row, continue_output=True))
+        tally.reopen(book, name, truncated[prompt_id],
+                    entry_from_row(row, continue_output=True, cap=cap))
         if tally.full():
             break
 
@@ -238,7 +239,7 @@ def _from_every_batch(book, r, storage, spool, name: JobName, reason: str, conti
 
     from dflash_tasks.ledger import EndedRow
     from dflash_tasks.output.batches import iter_newest_placed
-    from dflash_tasks.sglang.continuation import entry_from_row
+    from dflash_tasks.sglang.ongoing import entry_from_row
 
     for place, row in iter_newest_placed(r, storage, name, spool=spool):
         meta = row["metadata"]
@@ -247,6 +248,6 @@ def _from_every_batch(book, r, storage, spool, name: JobName, reason: str, conti
         if continue_output and reason == "length" and meta["completion_tokens"] >= cap:
             _refuse_capped(name, row["id"], meta["completion_tokens"], cap)
         tally.reopen(book, name, replace(EndedRow.from_row(row), entry=place),
-                     entry_from_row(row, continue_output=continue_output))
+                     entry_from_row(row, continue_output=continue_output, cap=cap))
         if tally.full():
             break

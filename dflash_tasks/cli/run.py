@@ -20,6 +20,7 @@ from dflash_tasks.cli.common import (
     generation_options,
     job_option,
     job_or_fail,
+    params_or_fail,
     redis_or_fail,
 )
 from dflash_tasks.core import jobs, lifecycle
@@ -52,14 +53,14 @@ from dflash_tasks.core.settings import get_settings
               show_default="DFLASH_S3_URI, else DFLASH_OUTPUT_DIR made absolute; a resumed job "
                            "keeps its own")
 @click.option("--follow", is_flag=True, help="Show progress until the job is done.")
-def enqueue(dataset: Path, name: JobName, max_output_tokens, temperature, top_p, top_k, thinking,
-            limit, gpus, nodes, bodies, output, follow) -> None:
+def enqueue(dataset: Path, name: JobName, limit, gpus, nodes, bodies, output, follow,
+            **options) -> None:
     """Store a dataset's prompts as a job and start dispatching them; resumes a known job."""
     from dflash_tasks import dispatch
     from dflash_tasks.ingest.loader import CHUNK, PromptLoader
     from dflash_tasks.ingest.prompts import DatasetError, ReadSummary, read_prompts
     from dflash_tasks.ledger import shared_ledger
-    from dflash_tasks.ledger.bodies import ChunkWriter, job_location, remove_chunks
+    from dflash_tasks.ledger.bodies import ChunkWriter, job_location
     from dflash_tasks.output.storage import StorageError, storage_at
     from dflash_tasks.tasks.app import app
 
@@ -68,11 +69,7 @@ def enqueue(dataset: Path, name: JobName, max_output_tokens, temperature, top_p,
     if existing is not None:
         allowed_or_fail("enqueue", existing)
     base = existing.params if existing else jobs.GenerationParams()
-    try:
-        params = base.replace(max_tokens=max_output_tokens, temperature=temperature, top_p=top_p,
-                              top_k=top_k, enable_thinking=thinking)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+    params = params_or_fail(name, base, existing=existing is not None, **options)
     kept = existing.selection if existing else jobs.GpuSelection()
     try:
         selection = jobs.GpuSelection.parse(
@@ -142,10 +139,13 @@ def enqueue(dataset: Path, name: JobName, max_output_tokens, temperature, top_p,
             # The job is gone (removed again after the error, or deleted meanwhile, perhaps
             # before this enqueue's last chunk landed): its chunks are nobody's.
             try:
-                remove_chunks(store_bodies.storage, name)
+                store_bodies.remove_written()  # only these: a new job of its name keeps its own
             except StorageError as cleanup:
-                err_console.print(f"[yellow]job {name}: its prompt chunks could not be "
-                                  f"removed ({cleanup}); remove them by hand[/]")
+                from dflash_tasks.cli.jobs import remove_chunks_command
+
+                left = remove_chunks_command(name, store_bodies.location, max(store_bodies.written))
+                err_console.print(f"[yellow]job {name}: its prompt chunks could not be removed "
+                                  f"({cleanup}); once the storage answers, run {left}[/]")
         elif loader.added:
             err_console.print(f"[yellow]job {name}: {loader.added:,} new prompts were stored "
                               "before the error; enqueueing the fixed dataset again adds the rest[/]")
@@ -166,6 +166,9 @@ def enqueue(dataset: Path, name: JobName, max_output_tokens, temperature, top_p,
             f"{changed_meanwhile(name, read, wrong)}; {stored}, but this enqueue's parameters and "
             "GPU selection were not applied: run it again to apply them")
     job = jobs.load(r, name)
+    if job is None:  # a `delete` that came after this enqueue's last write
+        raise click.ClickException(f"job {name} was deleted just after this enqueue stored its "
+                                   "prompts: it no longer exists")
     state = job.status
     dropped = [g for g in dispatch.dispatched_gpus(r, name) if not selection.allows(g)]
     if existing is not None and selection != existing.selection and dropped:
@@ -245,7 +248,9 @@ def _print_enqueue_summary(r, job, summary, added, params, serving: list[str]) -
                  + (f"{len(serving)} with a live worker now" if serving else
                     "no live worker yet (each takes work when it starts)")),
         ("params", f"max_tokens={params.max_tokens} temperature={params.temperature} "
-                   f"top_p={params.top_p} top_k={params.top_k} thinking={params.enable_thinking}"),
+                   f"top_p={params.top_p} top_k={params.top_k} min_p={params.min_p} "
+                   f"repetition_penalty={params.repetition_penalty} "
+                   f"thinking={params.enable_thinking}"),
     ]:
         table.add_row(label, f"{value:,}" if isinstance(value, int) else str(value))
     console.print(table)

@@ -19,6 +19,11 @@ class GenerationParams:
     top_p: float = 0.95
     top_k: int | None = 20
     enable_thinking: bool = True
+    # Sent on every request, like the three above: SGLang's chat endpoint fills an unset one from
+    # the model's generation_config.json (`--sampling-defaults model`), /generate does not, so a
+    # continued generation would sample otherwise. Qwen3's thinking-mode values.
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -29,6 +34,23 @@ class GenerationParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1 and self.top_k != -1:
             raise ValueError(f"top_k must be >= 1 (or -1 for all), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+
+    def sampling(self) -> dict:
+        """Every parameter SGLang would otherwise take from the model's generation_config.json,
+        as both endpoints take them (top_k -1: off)."""
+        return {"temperature": self.temperature, "top_p": self.top_p,
+                "top_k": -1 if self.top_k is None else self.top_k, "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty}
+
+    @property
+    def continuable(self) -> bool:
+        """Whether going on from a cut samples as one request would. SGLang's penalties count
+        only a request's own output ids, so a penalised generation is never cut in two."""
+        return self.repetition_penalty == 1.0
 
     @classmethod
     def from_dict(cls, data: dict) -> "GenerationParams":
@@ -159,15 +181,44 @@ def body_location(r: redis.Redis, name: JobName, wanted: str | None = None) -> s
     """Where the job's prompt bodies are kept on storage (ledger/bodies.py), or None while they
     are all in Redis. With `wanted`, the first caller's location becomes the job's; later ones
     get that one back, so every chunk of a job is in one place."""
-    if wanted is not None:
-        _write_if_exists(r, name, lambda pipe: pipe.hsetnx(name.config, "bodies", wanted))
-    found = r.hget(name.config, "bodies")
+    if wanted is None:
+        found = r.hget(name.config, "bodies")
+    else:  # read in the same step: the job deleted just after would answer None
+        found = _write_if_exists(r, name, lambda pipe: pipe.hsetnx(name.config, "bodies", wanted)
+                                 .hget(name.config, "bodies"))
     return found.decode() if found is not None else None
 
 
 def next_body_chunk(r: redis.Redis, name: JobName) -> int:
-    """A chunk number no other enqueue of the job has used (chunk objects are never rewritten)."""
-    return int(_write_if_exists(r, name, lambda pipe: pipe.hincrby(name.config, "body_chunks", 1)))
+    """A chunk number no job of this name has used, not even one deleted since (chunk objects
+    are never rewritten): a deletion then removes its own chunks, never a later job's."""
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(name.config, name.chunk_numbers)
+                if not pipe.hexists(name.config, "status"):
+                    raise JobDeleted(f"job {name} was deleted while this ran")
+                number = _last_body_chunk(pipe, name) + 1
+                pipe.multi()
+                pipe.set(name.chunk_numbers, number)
+                pipe.hset(name.config, "body_chunks", number)
+                pipe.execute()
+                return number
+            except redis.WatchError:
+                continue
+
+
+def last_body_chunk(r: redis.Redis, name: JobName) -> int:
+    """The highest chunk number given so far to a job of this name (0: none yet)."""
+    return _last_body_chunk(r, name)
+
+
+def _last_body_chunk(pipe, name: JobName) -> int:
+    """The highest chunk number given so far to a job of this name: its counter that outlives
+    the job, or the job's own when higher (a job made before that counter existed numbered its
+    chunks in its config alone)."""
+    return max(int(pipe.get(name.chunk_numbers) or 0),
+               int(pipe.hget(name.config, "body_chunks") or 0))
 
 
 class JobDeleted(LookupError):
@@ -177,7 +228,7 @@ class JobDeleted(LookupError):
 def _write_if_exists(r: redis.Redis, name: JobName, write):
     """write(pipeline) in a transaction, only while the job exists (its config has a status):
     a write into the config of a job deleted meanwhile would leave a config of nothing behind,
-    which every ledger script would take for a job."""
+    which every ledger script would take for a job. Returns its last command's answer."""
     with r.pipeline() as pipe:
         while True:
             try:
@@ -186,34 +237,48 @@ def _write_if_exists(r: redis.Redis, name: JobName, write):
                     raise JobDeleted(f"job {name} was deleted while this ran")
                 pipe.multi()
                 write(pipe)
-                return pipe.execute()[0]
+                return pipe.execute()[-1]
             except redis.WatchError:
                 continue
 
 
-def delete(r: redis.Redis, name: JobName, allowed: Iterable[str] | None = None) -> int:
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    """What `delete` removed from Redis, and what of the job's it leaves on storage."""
+    keys: int
+    bodies: str | None   # where its prompt bodies are kept (ledger/bodies.py), if anywhere
+    chunks_through: int  # its chunks there are numbered this or lower, a later job's higher
+
+
+def delete(r: redis.Redis, name: JobName, allowed: Iterable[str] | None = None) -> Deleted:
     """Remove every Redis key of the job and its name; batches already shipped stay where they
-    are. With `allowed`, only while the job's status is one of them, checked in the same
-    transaction that removes its config (a `resume` in between is not deleted): after that no
-    ledger script writes for it any more, and the rest of its keys go. Raises JobDeleted when
-    there was no such job, and ValueError when its status is not allowed (the message names
-    it). Returns how many keys were removed."""
+    are, and so do its prompt bodies' chunks, for the caller to remove once the job is gone
+    (bodies.remove_chunks, with what this returns). With `allowed`, only while the job's
+    status is one of them, checked in the same transaction that removes its config (a `resume`
+    in between is not deleted): after that no ledger script writes for it any more, and the rest
+    of its keys go. Raises JobDeleted when there was no such job, and ValueError when its status
+    is not allowed (the message names it)."""
     with r.pipeline() as pipe:
         while True:
             try:
-                pipe.watch(name.config)
-                status = pipe.hget(name.config, "status")
+                pipe.watch(name.config, name.chunk_numbers)
+                status, bodies = pipe.hmget(name.config, "status", "bodies")
                 if allowed is not None:
                     if status is None:
                         raise JobDeleted(f"job {name} was deleted meanwhile")
                     if status.decode() not in allowed:
                         raise ValueError(f"job {name} changed to {status.decode()} while this ran")
+                # Read with the config's removal: a chunk numbered above it is a later job's.
+                through = _last_body_chunk(pipe, name)
                 pipe.multi()
                 pipe.delete(name.config)
                 pipe.srem(JOBS, name)
+                if bodies is not None:  # one that numbered its chunks in its config alone
+                    pipe.set(name.chunk_numbers, through)
                 removed = pipe.execute()[0]
                 break
             except redis.WatchError:
                 continue
     rest = list(r.scan_iter(match=name.every_key, count=1000))
-    return int(removed) + (int(r.delete(*rest)) if rest else 0)
+    return Deleted(keys=int(removed) + (int(r.delete(*rest)) if rest else 0),
+                   bodies=bodies.decode() if bodies is not None else None, chunks_through=through)

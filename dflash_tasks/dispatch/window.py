@@ -83,15 +83,17 @@ def migration_target(r: redis.Redis, job: JobName, prompt_id: str, gpu: GpuName)
 
 
 def hand_over(r: redis.Redis, job: JobName, prompt_id: str, source: str, target: str | None,
-              entry: bytes, tokens: int) -> bool:
+              entry: bytes, tokens: int, started_from: str, rate_bucket_s: int = 10) -> bool:
     """Move a generation aborted on `source` to `target` (None: the front of pending), its entry
     now the one that goes on from its partial output (hand_over.lua). False when the order
-    changed or the prompt left `source` meanwhile (nothing moved)."""
+    changed, the prompt left `source` or its entry is no longer the one of SHA-1 `started_from`
+    (ledger.TaskState.entry_digest) meanwhile (nothing moved)."""
     return bool(HAND_OVER(r, migrating=job.migrating, inflight_source=job.inflight(source),
                           inflight_target=job.inflight(target or source), prompts=job.prompts,
                           pending=job.pending, counters=job.counters, config=job.config,
-                          id=prompt_id, entry=entry, source=source, target=target or "",
-                          tokens=tokens))
+                          rate=job.rate, id=prompt_id, entry=entry, source=source,
+                          target=target or "", tokens=tokens, started_from=started_from,
+                          rate_bucket_s=rate_bucket_s))
 
 
 # -- the end game in rounds --------------------------------------------------------------------
@@ -113,13 +115,15 @@ def round_cap(s: Settings, max_tokens: int, generated: int, pending: int, slots:
 
 
 def next_round(r: redis.Redis, job: JobName, prompt_id: str, gpu: GpuName, entry: bytes,
-               tokens: int) -> bool:
+               tokens: int, started_from: str, rate_bucket_s: int = 10) -> bool:
     """A generation cut at its round's end on `gpu`: its entry now the one that goes on from
-    there, to the back of pending (next_round.lua). False when the prompt left `gpu` meanwhile
-    (nothing moved)."""
+    there, to the back of pending (next_round.lua). False when the prompt left `gpu`, or its
+    entry is no longer the one of SHA-1 `started_from` (ledger.TaskState.entry_digest),
+    meanwhile (nothing moved)."""
     return bool(NEXT_ROUND(r, inflight=job.inflight(gpu), prompts=job.prompts,
                            pending=job.pending, counters=job.counters, config=job.config,
-                           id=prompt_id, entry=entry, tokens=tokens))
+                           rate=job.rate, id=prompt_id, entry=entry, tokens=tokens,
+                           started_from=started_from, gpu=gpu, rate_bucket_s=rate_bucket_s))
 
 
 def migrations(r: redis.Redis, gpu: GpuName, timeout_s: float) -> tuple[str, str] | None:

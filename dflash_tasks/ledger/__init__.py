@@ -7,6 +7,7 @@ sealing's (output/), the worker registry's (worker/), a training run's (training
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -65,6 +66,12 @@ class TaskState:
     # the end game's rounds have begun (dispatch/window.py's round_cap).
     pending: int = 0
     job_gpus: int = 0
+    # The SHA-1 of the `prompts` entry as read: a generation is handed on (next_round.lua,
+    # hand_over.lua) only from the entry its request started from, never by a stale delivery.
+    entry_digest: str = ""
+    # The reference of an entry a generation was handed on in (generate.py's _entry): its chunk
+    # holds that entry alone, and goes once the generation has gone on from it.
+    handed_on_chunk: bytes | None = None
 
     @property
     def stored(self) -> bool:
@@ -77,8 +84,10 @@ class TaskState:
         and what the continuation needs; such an entry is more than the prompt, so the index of
         rows by finish reason does not keep it as it is (bare_entry)."""
         if isinstance(decoded, dict):
+            reference = decoded.get("reference")
             return replace(self, messages=decoded["messages"], continuation=decoded.get("continue"),
-                           bare_entry=None)
+                           bare_entry=reference.encode() if reference else None,
+                           handed_on_chunk=self.body_reference if decoded.get("handed_on") else None)
         return replace(self, messages=decoded)
 
 
@@ -104,7 +113,18 @@ class EndedRow:
     def from_row(cls, row: dict) -> "EndedRow":
         meta = row["metadata"]
         return cls(row["id"], meta["finish_reason"], int(meta["prompt_tokens"]),
-                   int(meta["completion_tokens"]), meta["gpu"])
+                   int(meta["completion_tokens"]), made_by(meta))
+
+
+def made_by(meta: dict, gpu: str | None = None) -> str:
+    """Which GPUs made a row, as the index of rows records it (complete.lua) and reopen.lua
+    reads it: the GPU it was recorded on (`gpu`, else the row's), then "/" and each GPU's share
+    for a row made in several requests ("gpu1@b/gpu0@a=2048,gpu1@b=612")."""
+    recorded_on = gpu or meta["gpu"]
+    shares = meta.get("gpus")
+    if not shares:
+        return recorded_on
+    return recorded_on + "/" + ",".join(f"{s['gpu']}={int(s['tokens'])}" for s in shares)
 
 
 def entry_order(entry: str) -> tuple[int, int]:
@@ -155,7 +175,7 @@ class Ledger:
         (params, location), entry, done, failed, here, _, pending, job_gpus = pipe.execute()
         flags = dict(params=json.loads(params) if params else None, done=bool(done),
                      failed=bool(failed), in_flight_here=here is not None, pending=pending,
-                     job_gpus=job_gpus)
+                     job_gpus=job_gpus, entry_digest=hashlib.sha1(entry or b"").hexdigest())
         if entry and bodies.is_reference(entry):
             return TaskState(messages=None, body_reference=entry, bare_entry=entry,
                              body_location=location.decode() if location else None, **flags)
@@ -219,11 +239,14 @@ class Ledger:
     # -- outcomes --------------------------------------------------------------------------------
 
     def complete(self, job: JobName, prompt_id: str, gpu: GpuName, row: dict, *,
-                 bare_entry: bytes | None = None, rate_bucket_s: int = 10) -> bool:
+                 bare_entry: bytes | None = None, made: tuple[int, float] | None = None,
+                 rate_bucket_s: int = 10) -> bool:
         """Record a finished row exactly once. False when it was a duplicate delivery. A
         recalled prompt waiting in pending or on another of the job's GPUs is taken out there.
         `bare_entry` (TaskState's): the prompt's `prompts` entry as the task read it, which the
-        index of rows by finish reason keeps instead of the row's messages encoded again."""
+        index of rows by finish reason keeps instead of the row's messages encoded again.
+        `made`: the tokens the last request generated on `gpu` and its seconds, for the GPU's
+        speed and the rates (the whole row's, by default: one request made it)."""
         meta = row["metadata"]
         out = int(meta["completion_tokens"])
         reason = meta["finish_reason"]
@@ -233,12 +256,13 @@ class Ledger:
         # messages encoded again (a regenerated prompt, whose entry holds more).
         prompt = b"" if reason in UNINDEXED_REASONS else \
             bare_entry or encode_messages(row["conversations"][:-1])
-        latency = float(meta.get("latency_s") or 0)
-        # What this GPU decoded in that time: a continued row's first tokens came from another
-        # request (a truncated row, a generation moved here). A request too short to say how
-        # fast the GPU decodes (prefill and the round trip dominate it) does not move its speed.
-        made = out - int(meta.get("continued_tokens") or 0)
-        speed = f"{made / latency:.1f}" if made >= SPEED_MIN_TOKENS and latency > 0 else ""
+        # What this GPU decoded in its last request: a row made in several requests (rounds, a
+        # move, a truncated row continued) credits each GPU its own share. A request too short
+        # to say how fast the GPU decodes (prefill and the round trip dominate it) does not move
+        # its speed.
+        tokens, seconds = made if made is not None else (out, float(meta.get("latency_s") or 0))
+        speed = f"{tokens / seconds:.1f}" if tokens >= SPEED_MIN_TOKENS and seconds > 0 else ""
+        shares = made_by(meta, gpu).partition("/")[2]
         named = dict(
             done=job.done, inflight=job.inflight(gpu), prompts=job.prompts, failed=job.failed,
             counters=job.counters, rate=job.rate, output=job.output, pending=job.pending,
@@ -249,7 +273,7 @@ class Ledger:
             gpu=gpu, rate_bucket_s=rate_bucket_s,
             hist_bucket=out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS,
             inflight_prefix=job.inflight(""), prompt=prompt, tokens_per_s=speed,
-            speed_weight=self.speed_weight)
+            speed_weight=self.speed_weight, shares=shares, made=tokens)
         if not self.wait_replicas:
             return bool(COMPLETE(self.r, **named))
         # WAIT counts the replicas that have the writes of its own connection: in one pipeline

@@ -9,8 +9,11 @@ reference of about 20 bytes per prompt instead of its frame:
 
 which no stored conversation starts with (a zstd frame starts with its magic number, JSON with
 `[` or `{`). The worker reads exactly those bytes back (a file read at an offset, or an S3 ranged
-GET) and decodes them as `messages.decode_messages` does any stored frame. The storage itself
-(output/storage.py, a stage above) is given to these functions by their callers.
+GET) and decodes them as `messages.decode_messages` does any stored frame (`read_body`). The
+storage itself (output/storage.py, a stage above) is given to these functions by their callers,
+and its errors reach them as it raises them; what is this module's to say is whether the bytes
+that came back are a prompt's entry (BodyCorrupt), and whether the ledger can say where they are
+(BodyLost).
 
 The location (an absolute directory or an s3:// URI) is the job's, fixed by its first such enqueue
 (`jobs.body_location`): every chunk of a job is in one place, whatever the settings of the
@@ -19,23 +22,40 @@ then be shared by every node that runs the job's GPUs (S3 needs nothing more).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
 import redis
+import zstandard
 
 from dflash_tasks.core import jobs
+from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.settings import Settings
+from dflash_tasks.ledger.messages import decode_messages
 
 MARK = b"@"
 BODIES_DIR = "prompts"  # <job>/prompts/ under the location: the job's chunks and nothing else
+_CHUNK_NAME = re.compile(r"chunk-(\d+)\.zst")
 
 
 class ChunkStorage(Protocol):
     """What of output/storage.py's Storage the chunks need."""
     def put(self, key: str, data: bytes) -> None: ...
     def get_range(self, key: str, offset: int, length: int) -> bytes: ...
-    def delete_prefix(self, key_prefix: str) -> int: ...
+    def list(self, key_prefix: str) -> list[str]: ...
+    def delete_keys(self, keys: list[str]) -> int: ...
+    def location(self, key: str) -> str: ...
+
+
+class BodyLost(ValueError):
+    """The ledger cannot say where a prompt's body is (a reference that does not parse, a job
+    that records no body location): no storage holds anything to wait for."""
+
+
+class BodyCorrupt(ValueError):
+    """The bytes a reference points to came back, but they are not a prompt's entry (not a zstd
+    frame, not JSON, not a conversation): waiting will not mend them."""
 
 
 def is_reference(stored: bytes) -> bool:
@@ -43,7 +63,17 @@ def is_reference(stored: bytes) -> bool:
 
 
 def chunk_key(job: str, chunk: int) -> str:
-    return f"{job}/{BODIES_DIR}/chunk-{chunk:06d}.zst"
+    return f"{chunks_prefix(job)}chunk-{chunk:06d}.zst"
+
+
+def chunks_prefix(job: str) -> str:
+    return f"{job}/{BODIES_DIR}/"
+
+
+def _chunk_number(key: str) -> int | None:
+    """The number of the chunk a key names; None for anything else (a file being written)."""
+    found = _CHUNK_NAME.fullmatch(key.rpartition("/")[2])
+    return int(found.group(1)) if found else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +90,7 @@ class Reference:
         try:
             chunk, offset, length = (int(part) for part in stored[1:].split(b":"))
         except ValueError:
-            raise ValueError(f"not a prompt body reference: {stored[:40]!r}") from None
+            raise BodyLost(f"not a prompt body reference: {stored[:40]!r}") from None
         return cls(chunk, offset, length)
 
 
@@ -80,12 +110,18 @@ class ChunkWriter:
 
     def __init__(self, r: redis.Redis, job: str, location: str, storage: ChunkStorage):
         self.r, self.job, self.location, self.storage = r, job, location, storage
-        self.written = 0  # chunks stored so far: a failed new job removes them, if any
+        self.written: list[int] = []  # the chunks it stored: a failed new job removes them
 
     def __call__(self, frames: list[bytes]) -> list[bytes]:
-        refs = write_chunk(self.storage, self.job, jobs.next_body_chunk(self.r, self.job), frames)
-        self.written += 1
+        chunk = jobs.next_body_chunk(self.r, self.job)
+        refs = write_chunk(self.storage, self.job, chunk, frames)
+        self.written.append(chunk)
         return refs
+
+    def remove_written(self) -> int:
+        """Remove the chunks this writer stored, and only those (its enqueue failed, and its job
+        is gone: a job of the same name made since has chunks of its own); returns how many."""
+        return self.storage.delete_keys([chunk_key(self.job, chunk) for chunk in self.written])
 
 
 def write_chunk(storage: ChunkStorage, job: str, chunk: int, frames: list[bytes]) -> list[bytes]:
@@ -100,11 +136,55 @@ def write_chunk(storage: ChunkStorage, job: str, chunk: int, frames: list[bytes]
 
 def read_frame(storage: ChunkStorage, job: str, stored: bytes) -> bytes:
     """The zstd frame a reference points to; the storage's errors as it raises them (a chunk
-    that is gone, or a storage that does not answer)."""
+    not found, shorter than the reference, refused, or a storage that does not answer)."""
     ref = Reference.parse(stored)
     return storage.get_range(chunk_key(job, ref.chunk), ref.offset, ref.length)
 
 
-def remove_chunks(storage: ChunkStorage, job: str) -> int:
-    """Remove every chunk of the job from its location's storage; returns how many went."""
-    return storage.delete_prefix(f"{job}/{BODIES_DIR}/")
+def read_body(storage: ChunkStorage, job: str, stored: bytes) -> list | dict:
+    """The entry a reference points to, decoded: a prompt's messages, or the {messages,
+    continue} of a truncated row that regenerate --continue took back (ledger.TaskState.
+    with_body). The storage's errors as read_frame raises them; BodyCorrupt, naming the chunk
+    and the range, for bytes that are not such an entry."""
+    ref = Reference.parse(stored)
+    frame = storage.get_range(chunk_key(job, ref.chunk), ref.offset, ref.length)
+    try:
+        entry = decode_messages(frame)
+    except (zstandard.ZstdError, ValueError) as exc:  # JSON's and UTF-8's errors are ValueErrors
+        raise _corrupt(storage, job, ref, f"{type(exc).__name__}: {exc}") from None
+    if not _is_entry(entry):
+        raise _corrupt(storage, job, ref, f"JSON of the wrong shape: {str(entry)[:80]}")
+    return entry
+
+
+def _is_entry(entry) -> bool:
+    """A conversation (a list of turns), or one kept with what its continuation needs."""
+    if isinstance(entry, dict):
+        entry = entry.get("messages")
+    return isinstance(entry, list) and all(isinstance(turn, dict) for turn in entry)
+
+
+def _corrupt(storage: ChunkStorage, job: str, ref: Reference, why: str) -> BodyCorrupt:
+    return BodyCorrupt(f"{storage.location(chunk_key(job, ref.chunk))}: bytes {ref.offset} to "
+                       f"{ref.offset + ref.length} are not a prompt's text ({why[:300]})")
+
+
+def still_waits(r: redis.Redis, job: JobName, prompt_id: str, stored: bytes) -> bool:
+    """Whether the prompt's entry is still this reference: not done, deleted with its job, or
+    stored anew meanwhile (nothing then waits for these bytes)."""
+    return r.hget(job.prompts, prompt_id) == stored
+
+
+def remove_chunks(storage: ChunkStorage, job: str, through: int) -> int:
+    """Remove a deleted job's chunks from its location's storage: those of its name numbered
+    `through` or lower (jobs.Deleted), as a later job of that name numbers its own higher
+    (jobs.next_body_chunk). Returns how many went."""
+    numbered = ((key, _chunk_number(key)) for key in storage.list(chunks_prefix(job)))
+    return storage.delete_keys([key for key, n in numbered if n is not None and n <= through])
+
+
+def remove_entry_chunk(storage: ChunkStorage, job: str, stored: bytes) -> int:
+    """Remove the chunk a reference points to, when it holds that one entry alone: a
+    generation's entry handed on (tasks/generate.py), which nothing reads once the generation
+    has gone on or ended. Returns how many objects went."""
+    return storage.delete_keys([chunk_key(job, Reference.parse(stored).chunk)])

@@ -18,7 +18,6 @@ import time
 from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.core.keys import GpuName
 from dflash_tasks.sglang import Completion, ServerContract
-from dflash_tasks.sglang.continuation import with_share
 
 
 def status_for(finish_reason: str) -> str:
@@ -45,6 +44,8 @@ def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, 
             "temperature": params.temperature,
             "top_p": params.top_p,
             "top_k": params.top_k,
+            "min_p": params.min_p,
+            "repetition_penalty": params.repetition_penalty,
             "gpu": gpu,
             "model": c.model,
             "latency_s": round(c.latency_s, 3),
@@ -54,8 +55,8 @@ def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, 
     }
     if c.continued_tokens:  # the first tokens come from an earlier, truncated row
         row["metadata"]["continued_tokens"] = c.continued_tokens
-    if c.worked:  # moved here from other GPUs, or made in rounds: each GPU's share of the output
-        row["metadata"]["gpus"] = with_share(c.worked, gpu, c.completion_tokens - c.continued_tokens)
+    if c.worked:  # made in more than one request (sglang/ongoing.py): each GPU's share, in order
+        row["metadata"]["gpus"] = [share.stored() for share in c.worked]
     if c.prompt_token_ids is not None and c.response_token_ids is not None:
         row["token_ids"] = {"prompt": c.prompt_token_ids, "response": c.response_token_ids}
     return row

@@ -43,8 +43,8 @@ class Completion:
     response_token_ids: list[int] | None = None
     matched_stop: Any = None
     continued_tokens: int = 0  # tokens kept from an earlier, truncated output (not regenerated)
-    # The GPUs that generated the kept tokens, [{gpu, tokens}], when the generation was moved
-    # here from another GPU (generate.py's hand-over); empty otherwise.
+    # Every GPU's share (ongoing.Share), in order, of an output made in more than one request
+    # (rounds, a move, regenerate --continue); empty for one request's.
     worked: tuple = ()
 
 
@@ -94,6 +94,7 @@ class SGLangClient:
     _model: str | None = field(default=None, init=False, repr=False)
     _contract: ServerContract | None = field(default=None, init=False, repr=False)
     _context: int | None = field(default=None, init=False, repr=False)
+    _think_end: tuple[int, ...] | None = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -203,9 +204,10 @@ class SGLangClient:
 
     # -- generation -----------------------------------------------------------------------------
 
-    def chat(self, messages: list[dict], *, max_tokens: int, temperature: float | None = None,
-             top_p: float | None = None, top_k: int | None = None, enable_thinking: bool = True,
-             rid: str | None = None) -> Completion:
+    def chat(self, messages: list[dict], *, max_tokens: int, sampling: dict | None = None,
+             enable_thinking: bool = True, rid: str | None = None) -> Completion:
+        """One chat completion. `sampling`: GenerationParams.sampling(), sent whole so that the
+        server fills nothing in from the model's generation_config.json (see generate)."""
         body: dict[str, Any] = {
             "model": self.served_model(),
             "messages": messages,
@@ -215,10 +217,9 @@ class SGLangClient:
             "return_token_ids": True,
             "stream": False,
         }
-        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
-                            ("rid", rid)):
-            if value is not None:
-                body[name] = value
+        body.update(sampling or {})
+        if rid is not None:
+            body["rid"] = rid
         started = time.monotonic()
         try:
             data = self._post_json("/v1/chat/completions", body)
@@ -239,21 +240,43 @@ class SGLangClient:
                                "with another model?): restart this worker to generate with it",
                                url=self.base_url)
 
-    def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float | None = None,
-                 top_p: float | None = None, top_k: int | None = None,
+    def generate(self, input_ids: list[int], *, max_new_tokens: int, sampling: dict | None = None,
                  rid: str | None = None) -> Generation:
-        """Native /generate from token ids: how a truncated output is continued (the prefix cache
-        serves the ids already known)."""
-        sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens}
-        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
-            if value is not None:
-                sampling[name] = value
-        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling, "stream": False}
+        """Native /generate from token ids: how a generation goes on from its ids (the prefix
+        cache serves the ids already known). Unlike the chat endpoint it takes nothing from the
+        model's generation_config.json, so `sampling` must be the chat request's, whole."""
+        params: dict[str, Any] = {**(sampling or {}), "max_new_tokens": max_new_tokens}
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": params, "stream": False}
         if rid is not None:
             body["rid"] = rid
         started = time.monotonic()
         data = self._post_json("/generate", body)
         return parse_generate(data, latency_s=time.monotonic() - started, url=self.base_url)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of `ids` decoded at once by the server's own tokenizer (/v1/detokenize),
+        special tokens skipped as the chat endpoint skips them: a generation's text, whatever
+        requests it was made in (a character split across two of them decodes whole)."""
+        data = self._post_json("/v1/detokenize", {"model": self.served_model(), "tokens": ids,
+                                                  "skip_special_tokens": True})
+        if not isinstance(data, dict) or not isinstance(data.get("text"), str):
+            raise BadResponse(f"/v1/detokenize answered no text: {str(data)[:200]}",
+                              url=self.base_url)
+        return data["text"]
+
+    def think_end_ids(self) -> tuple[int, ...]:
+        """The ids of `</think>` in the server's vocabulary (/v1/tokenize), which end the tokens
+        SGLang counts as reasoning. Cached, as the model name."""
+        if self._think_end is None:  # two threads may both ask: the answer is the same
+            data = self._post_json("/v1/tokenize", {"model": self.served_model(),
+                                                    "prompt": "</think>",
+                                                    "add_special_tokens": False})
+            tokens = data.get("tokens") if isinstance(data, dict) else None
+            if not tokens or not all(isinstance(t, int) for t in tokens):
+                raise BadResponse(f"/v1/tokenize answered no ids for </think>: "
+                                  f"{str(data)[:200]}", url=self.base_url)
+            self._think_end = tuple(tokens)
+        return self._think_end
 
     def abort(self, rid: str) -> None:
         """Ask the server to stop a request we gave up on (best effort)."""

@@ -12,9 +12,12 @@ What each failure does (docs/WHEN_THINGS_FAIL.md has the operator's side):
   *before* sending their request, so they spend no attempt; after `breaker_wait_s` a task puts
   its prompt back in the queue and frees its thread;
 - the prompt's body cannot be read (kept on the output storage by `enqueue --bodies storage`):
-  S3 out, retried with backoff without spending an attempt, since nothing was sent; its chunk
-  gone or cut short, straight to the failed registry ("prompt_body_missing"); this node refused
-  (credentials), the GPU stops as for a misconfigured server (`_read_body`);
+  a storage fault is never the prompt's, so it spends no attempt and fails no prompt. S3 out,
+  retried with backoff; its chunk not found on this node (a directory not mounted) or this node
+  refused (credentials, permissions), the GPU stops as for a misconfigured server and the
+  prompt waits for a GPU that can read it. A chunk that answers with bytes that are not the
+  prompt's (cut short, not zstd, not JSON) fails it for good ("prompt_body_corrupt")
+  (`_read_body`);
 - the server is not the SGLang it should be (sglang.DeploymentError: a 404 on its endpoints,
   401/403, another model): the deployment's fault, no attempt spent, the GPU's breaker opens at
   once and beat hands its prompts to the other GPUs;
@@ -38,20 +41,21 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from functools import partial
+from pathlib import Path
 from typing import Callable, TypeVar
 
 from celery.exceptions import Reject, Retry
 
+from dflash_tasks.core import jobs
 from dflash_tasks.core.connections import REDIS_DOWN, through_outage
-from dflash_tasks.core.jobs import GenerationParams
+from dflash_tasks.core.jobs import GenerationParams, JobDeleted
 from dflash_tasks.core.keys import GENERATE_TASK, GpuName, JobName
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.dispatch import publish, topup, window
 from dflash_tasks.dispatch.retry import RetryPolicy
 from dflash_tasks.ledger import TaskState, bodies
-from dflash_tasks.ledger.messages import compress_messages_json, decode_messages
+from dflash_tasks.ledger.messages import compress_messages_json, encode_messages
 from dflash_tasks.output.rows import build_row
 from dflash_tasks.output.storage import (
     StorageCorrupt,
@@ -64,14 +68,16 @@ from dflash_tasks.sglang import (
     BadResponse,
     Completion,
     DeploymentError,
+    Generation,
     InvalidRequest,
     PermanentError,
     RequestAborted,
     SGLangClient,
     SGLangError,
     TransientError,
+    reasoning,
 )
-from dflash_tasks.sglang.continuation import continue_generation, entry_from_partial
+from dflash_tasks.sglang.ongoing import Ongoing, Part
 from dflash_tasks.tasks.app import app
 from dflash_tasks.worker.breaker import TRANSIENT
 from dflash_tasks.worker.runtime import runtime
@@ -135,10 +141,13 @@ def _generate(self, job: JobName, prompt_id: str, gpu: GpuName, tries: int) -> d
     if state.messages is None:
         decoded = _read_body(self, job, prompt_id, gpu, tries, state)
         if decoded is None:
-            return {"id": prompt_id, "skipped": "done by another delivery, or its job deleted"}
+            return {"id": prompt_id, "skipped": "its text not read: done or gone on by another "
+                                                "delivery, handed to another GPU, or its job deleted"}
         state = state.with_body(decoded)
     messages = state.messages
-    params = GenerationParams.from_dict(state.params)
+    job_params = GenerationParams.from_dict(state.params)
+    ongoing = _ongoing(state, job_params)
+    params = ongoing.params if ongoing is not None else job_params
     s = get_settings()
     client = runtime().client(gpu)
     circuit = runtime().breaker(gpu)
@@ -155,40 +164,33 @@ def _generate(self, job: JobName, prompt_id: str, gpu: GpuName, tries: int) -> d
         return {"id": prompt_id, "skipped": f"handed to another GPU while {gpu} was unavailable"}
 
     attempt = tries + 1
-    # Unique per request (SGLang keys its running requests by rid), so a stray second delivery
-    # never collides with the first; `abort` uses the exact rid.
-    rid = f"{job}:{prompt_id}:{attempt}:{uuid.uuid4().hex[:12]}"
-    # regenerate --continue, a move, a round: only the missing tokens; unless the cap was lowered
-    # since to what the output already has, and it is generated anew at the job's cap
-    cont = state.continuation
-    continuing = cont is not None and len(cont["response_ids"]) < params.max_tokens
+    rid = shutdown.request_id(job, prompt_id, attempt)
     try:
-        cap = window.round_cap(
-            s, params.max_tokens, len(cont["response_ids"]) if continuing else 0, state.pending,
-            (runtime().concurrency or s.default_concurrency) * max(1, state.job_gpus),
-            overflows=continuing and _overflows(client, len(cont["prompt_ids"]), params))
         server = client.contract()  # learnt at the worker's start (hooks.py), then cached
-        with shutdown.tracked(rid, lambda: client.abort(rid)):
-            if continuing:
-                completion = continue_generation(client, cont, params, rid, until=cap)
+        if ongoing is not None and ongoing.finish_reason is not None:
+            # Its ids are whole: only its text was left to decode when the server went away.
+            return _record(job, prompt_id, gpu, state, messages, ongoing, client, server,
+                           made=None)
+        cap = _request_cap(client, server, state, ongoing, params)
+        with shutdown.tracked(job, prompt_id, rid, lambda: client.abort(rid)):
+            if ongoing is not None:
+                answer = ongoing.request(client, until=cap, rid=rid)
             else:
-                completion = client.chat(messages, max_tokens=cap,
-                                         temperature=params.temperature, top_p=params.top_p,
-                                         top_k=params.top_k,
-                                         enable_thinking=params.enable_thinking, rid=rid)
+                answer = client.chat(messages, max_tokens=cap, sampling=params.sampling(),
+                                     enable_thinking=params.enable_thinking, rid=rid)
         # Cut at the end of its round, it goes on in the next. So does one whose prompt and the
         # job's cap overflow the context: the next request asks for the whole cap, which the
         # server refuses in its own words, as it would have the first without rounds.
+        prompt_tokens = len(ongoing.prompt_ids) if ongoing is not None else answer.prompt_tokens
         next_round = cap < params.max_tokens and (
-            completion.finish_reason == "length"
-            or _overflows(client, completion.prompt_tokens, params))
-        if next_round and completion.response_token_ids is None:
+            answer.finish_reason == "length" or _overflows(client, prompt_tokens, params))
+        if next_round and ongoing is None and answer.response_token_ids is None:
             raise BadResponse("cut at the end of its round without the token ids to go on from"
                               " (return_token_ids)", url=client.base_url)
     except TransientError as exc:
         if isinstance(exc, RequestAborted) and exc.partial is not None and \
-                (moved := _hand_over(job, prompt_id, gpu, messages, exc.partial, params,
-                                     _kept_reference(state))):
+                (moved := _hand_over(job, prompt_id, gpu, state, ongoing, params, exc.partial,
+                                     attempt)):
             return moved
         if exc.reason == "timeout":
             client.abort(rid)  # or the server keeps decoding for nobody
@@ -219,45 +221,130 @@ def _generate(self, job: JobName, prompt_id: str, gpu: GpuName, tries: int) -> d
             circuit.record_permanent(exc.reason, str(exc))
         _fail(job, prompt_id, gpu, exc, attempt)
     circuit.record_success()
+    if ongoing is None and not next_round:  # one uninterrupted request: the server's own row
+        return _complete(job, prompt_id, gpu, state, messages, answer, params, server,
+                         attempts=attempt, made=(answer.completion_tokens, answer.latency_s))
+    part = Part.of(answer)
+    grown = (ongoing or Ongoing.started(answer, params)).went_on(part, gpu, attempt)
     if next_round:
-        return _next_round(job, prompt_id, gpu, messages, completion, params,
-                           _kept_reference(state))
+        return _next_round(job, prompt_id, gpu, state, grown, part)
+    return _record(job, prompt_id, gpu, state, messages, grown.ended(part), client, server,
+                   made=part)
+
+
+def _ongoing(state: TaskState, job_params: GenerationParams) -> Ongoing | None:
+    """The generation this prompt goes on from (a round, a move, regenerate --continue), or None
+    to start it. One that already has its whole cap and has not ended (an entry an older
+    deployment left after a lowered cap) starts over at the job's parameters."""
+    if state.continuation is None:
+        return None
+    ongoing = Ongoing.from_entry(state.continuation, job_params)
+    if ongoing.finish_reason is None and ongoing.generated >= ongoing.params.max_tokens:
+        return None
+    return ongoing
+
+
+def _request_cap(client: SGLangClient, server, state: TaskState, ongoing: Ongoing | None,
+                 params: GenerationParams) -> int:
+    """How many output tokens in all this request may reach: the cap, or near the end of the
+    job one round further (window.round_cap). A generation that could not go on exactly (a
+    penalised one, a reasoning parser not reproduced: ongoing.py) is never cut."""
+    if not (params.continuable and reasoning.supported(server.reasoning_parser)):
+        return params.max_tokens
+    s = get_settings()
+    return window.round_cap(
+        s, params.max_tokens, ongoing.generated if ongoing is not None else 0, state.pending,
+        (runtime().concurrency or s.default_concurrency) * max(1, state.job_gpus),
+        overflows=ongoing is not None and _overflows(client, len(ongoing.prompt_ids), params))
+
+
+def _record(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState, messages: list[dict],
+            ended: Ongoing, client: SGLangClient, server, *, made: Part | None) -> dict:
+    """A generation that went on from its ids, ended: its row, its text decoded from all its ids
+    by the server. A server gone between its answer and the decoding loses nothing: the whole
+    ids go back to pending, and whichever GPU takes them decodes and records them."""
+    try:
+        completion = ended.finished(client, reasoning_parser=server.reasoning_parser)
+    except SGLangError as exc:
+        log.warning("prompt %s on %s: its %d tokens could not be decoded (%s): handed on whole",
+                    prompt_id, gpu, ended.generated, exc)
+        return _next_round(job, prompt_id, gpu, state, ended, made)
+    return _complete(job, prompt_id, gpu, state, messages, completion, ended.params, server,
+                     attempts=ended.attempts,
+                     made=(len(made.ids), made.latency_s) if made is not None else (0, 0.0))
+
+
+def _complete(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState, messages: list[dict],
+              completion: Completion, params: GenerationParams, server, *, attempts: int,
+              made: tuple[int, float]) -> dict:
+    """Record the row once; `made`: the tokens this request generated here and its seconds
+    (this GPU's speed and rate)."""
     row = build_row(prompt_id, messages, completion, job=job, gpu=gpu, params=params,
-                    attempts=attempt, server=server)
+                    attempts=attempts, server=server)
     recorded = durable("recording the row",
-                       lambda: book.complete(job, prompt_id, gpu, row,
-                                             bare_entry=state.bare_entry))
+                       lambda: runtime().book.complete(job, prompt_id, gpu, row,
+                                                       bare_entry=state.bare_entry, made=made))
+    if recorded:
+        _drop_handed_on(job, state)
     return {"id": prompt_id, "finish_reason": completion.finish_reason,
-            "completion_tokens": completion.completion_tokens, "attempts": attempt,
+            "completion_tokens": completion.completion_tokens, "attempts": attempts,
             **({} if recorded else {"skipped": "duplicate delivery"})}
 
 
 def _read_body(task, job: JobName, prompt_id: str, gpu: GpuName, tries: int,
                state) -> list | dict | None:
-    """The entry of a prompt whose body is kept on storage (ledger/bodies.py: its messages, or
-    those of a truncated row to continue with what the continuation needs), by fault:
-    - the storage out (S3 unreachable, a slow disk): waited out like a server that does not
-      answer, nothing was sent so the retry spends no attempt; once the outage has lasted
-      breaker_wait_s the GPU's breaker opens and says so (status), until a read works again;
-    - the chunk gone, or shorter than its reference: the prompt fails at once
-      (prompt_body_missing), since waiting will not bring it back;
-    - this node refused (no credentials, access denied): the deployment's fault, so the GPU
-      stops taking work and its prompts go elsewhere, like a misconfigured server."""
+    """The entry of a prompt whose body is kept on storage (ledger/bodies.py): its messages, or
+    those of a truncated row that regenerate --continue took back, with what its continuation
+    needs. A storage fault is never the prompt's: it spends no attempt and fails no prompt.
+    - the storage does not answer (S3 out, a dead mount's EIO): waited out like a server that
+      does not answer, retried with backoff; once the outage has lasted breaker_wait_s the GPU's
+      breaker opens and says so (status), until a read works again;
+    - it answers that the chunk is not there (a directory not mounted on this node: a reader
+      cannot tell it from a chunk removed), or it refuses this node (credentials, a file's
+      permissions): the GPU's breaker opens at once with the reason (status), beat hands its
+      prompts to the job's other GPUs, and it probes by reading again; the prompts wait until
+      a GPU can read them;
+    - the chunk answers with bytes that are not the prompt's (shorter than its reference, not
+      a zstd frame, not JSON, not a conversation): the prompt fails for good
+      (prompt_body_corrupt); the ledger cannot say where they are: prompt_body_missing.
+    None when the prompt left this GPU while its breaker held it."""
+    circuit, s = runtime().breaker(gpu), get_settings()
+    if not circuit.closed:
+        # Held (the storage, or the server): wait before reading, or each prompt handed back
+        # to the queue would come straight back here and read again, at read speed.
+        if not circuit.wait_closed(s.breaker_wait_s):
+            raise Reject(f"{gpu} held ({circuit.last_error[:300]}): prompt returned to its "
+                         "queue", requeue=True)
+        if not durable("reading the prompt", runtime().book.task_state, job, prompt_id,
+                       gpu).in_flight_here:
+            return None
     outage = runtime().prompt_storage
     try:
         if state.body_location is None:
-            raise StorageNotFound(f"job {job} records no location for its prompt bodies")
-        storage = storage_at(state.body_location, get_settings(), readers=runtime().pool_size())
-        frame = bodies.read_frame(storage, job, state.body_reference)
-    except (StorageNotFound, StorageCorrupt) as exc:
+            raise bodies.BodyLost(f"job {job} records no location for its prompt bodies")
+        storage = storage_at(state.body_location, s, readers=runtime().pool_size())
+        entry = bodies.read_body(storage, job, state.body_reference)
+    except (StorageCorrupt, bodies.BodyCorrupt) as exc:
+        _record_failure(job, prompt_id, gpu, reason="prompt_body_corrupt", klass="permanent",
+                        error=str(exc), status=None, attempts=tries)
+    except bodies.BodyLost as exc:
         _record_failure(job, prompt_id, gpu, reason="prompt_body_missing", klass="permanent",
                         error=str(exc), status=None, attempts=tries)
-    except StorageDenied as exc:
-        runtime().breaker(gpu).trip("prompt_storage_denied", str(exc),
-                                    partial(_readable, storage, job, state.body_reference))
+    except (StorageNotFound, StorageDenied) as exc:
+        missing = isinstance(exc, StorageNotFound)
+        if missing and not bodies.still_waits(runtime().r, job, prompt_id, state.body_reference):
+            # A stale delivery: the generation went on since, and the chunk of the entry it
+            # read was removed (_drop_handed_on). Nothing is missing.
+            return None
+        hint = f" (is {state.body_location} mounted on this node?)" \
+            if missing and not state.body_location.startswith("s3://") else ""
+        circuit.trip("prompt_storage_missing" if missing else "prompt_storage_denied",
+                     f"job {job}: {exc}{hint}",
+                     partial(_readable, storage, job, prompt_id, state.body_reference),
+                     probing="reads of the prompts' texts")
         raise Reject(f"{gpu}: {exc}: prompt returned to its queue", requeue=True) from None
     except StorageError as exc:
-        policy = RetryPolicy.from_settings(get_settings())
+        policy = RetryPolicy.from_settings(s)
         countdown = policy.backoff_s(min(task.request.retries, 10))
         if not durable("counting a retry", runtime().book.note_retry, job, prompt_id, gpu,
                        "prompt_storage", time.time() + countdown):
@@ -266,25 +353,30 @@ def _read_body(task, job: JobName, prompt_id: str, gpu: GpuName, tries: int,
         log.log(logging.WARNING if outage.failed() else logging.DEBUG,
                 "prompt %s on %s: cannot read its text (%s); again in %.1fs, no attempt spent "
                 "(prompts wait until the storage answers)", prompt_id, gpu, exc, countdown)
-        if (lasted := outage.lasted_s()) >= get_settings().breaker_wait_s:
-            runtime().breaker(gpu).trip(
-                "prompt_storage", f"prompt texts unreadable for {lasted:.0f}s: {exc}",
-                partial(_readable, storage, job, state.body_reference), kind=TRANSIENT)
+        if (lasted := outage.lasted_s()) >= s.breaker_wait_s:
+            circuit.trip("prompt_storage", f"prompt texts unreadable for {lasted:.0f}s: {exc}",
+                         partial(_readable, storage, job, prompt_id, state.body_reference),
+                         kind=TRANSIENT, probing="reads of the prompts' texts")
         raise task.retry(exc=exc, countdown=countdown, queue=gpu,
                          args=(job, prompt_id, gpu), kwargs={"tries": tries})
     if (ended := outage.succeeded()) is not None:
         log.warning("prompt texts readable again after %.0fs (%d reads failed meanwhile)",
                     ended[1], ended[0])
-    return decode_messages(frame)
+    return entry
 
 
-def _readable(storage, job: JobName, reference: bytes) -> bool:
-    """The breaker's probe while prompt texts cannot be read: one read of a prompt's bytes."""
+def _readable(storage, job: JobName, prompt_id: str, reference: bytes) -> bool:
+    """The breaker's probe while prompt texts cannot be read: one read of the prompt's bytes.
+    A chunk that answers, whole or cut short, is readable (what it holds is the prompt's
+    business, not the GPU's); so is one no prompt waits for any more (done elsewhere, its job
+    deleted), or the GPU would stay held for good."""
     try:
         bodies.read_frame(storage, job, reference)
         return True
+    except StorageCorrupt:
+        return True
     except StorageError:
-        return False
+        return not bodies.still_waits(runtime().r, job, prompt_id, reference)
 
 
 def _kept_reference(state: TaskState) -> bytes | None:
@@ -294,37 +386,98 @@ def _kept_reference(state: TaskState) -> bytes | None:
     return bare if bare is not None and bodies.is_reference(bare) else None
 
 
-def _going_on(messages: list[dict], partial: Completion, gpu: GpuName, params: GenerationParams,
-              body_reference: bytes | None) -> tuple[bytes, int]:
-    """The prompt entry that goes on from a generation stopped on `gpu` (moved, or cut at its
-    round's end), as stored, and the tokens it made here."""
-    entry = entry_from_partial(messages, partial, gpu, params.enable_thinking, body_reference)
-    frame = compress_messages_json(json.dumps(entry, separators=(",", ":")).encode())
-    return frame, partial.completion_tokens - partial.continued_tokens
+def _entry(job: JobName, messages: list[dict], ongoing: Ongoing, state: TaskState) -> bytes:
+    """The prompt's entry that goes on from `ongoing`, as `prompts` stores it (store_entry)."""
+    return store_entry(runtime().book.r, get_settings(), job,
+                       entry_frame(messages, ongoing, _kept_reference(state)),
+                       readers=runtime().pool_size())
 
 
-def _hand_over(job: JobName, prompt_id: str, gpu: GpuName, messages: list[dict], partial,
-               params: GenerationParams, body_reference: bytes | None) -> dict | None:
+def entry_frame(messages: list[dict], ongoing: Ongoing, reference: bytes | None) -> bytes:
+    """A generation's entry, compressed: its prompt, where it stands, and the reference of a
+    prompt whose text is kept on storage (for the index of rows by finish reason)."""
+    entry: dict = {"messages": messages, "continue": ongoing.entry(), "handed_on": True}
+    if reference is not None:
+        entry["reference"] = reference.decode()
+    return compress_messages_json(json.dumps(entry, separators=(",", ":")).encode())
+
+
+def store_entry(r, s, job: JobName, frame: bytes, *, readers: int | None = None) -> bytes:
+    """What `prompts` keeps of a generation's entry: a reference to a chunk of the job's body
+    storage that holds it (ledger/bodies.py), as a truncated row's prefix is kept. Inline, its
+    ids would cost Redis about 3.5 bytes a token (28 KB at 8,192), and the end game holds up to
+    ~11.5 per slot of the job's GPUs (benchmarks, case 14); the reference is about 20 bytes.
+    Storage that does not answer keeps the entry inline meanwhile: the outage costs Redis, never
+    the generation."""
+    try:
+        location = bodies.job_location(r, job, s)
+        _mounted_or_fail(r, job, location)
+        storage = storage_at(location, s, readers=readers)
+        return bodies.ChunkWriter(r, job, location, storage)([frame])[0]
+    except JobDeleted:
+        return frame  # the hand-on finds no job and writes nothing
+    except StorageError as exc:
+        log.warning("job %s: a generation's entry stays in Redis: its storage failed (%s)", job,
+                    exc)
+        return frame
+
+
+def _mounted_or_fail(r, job: JobName, location: str) -> None:
+    """A local body location whose job has chunks must show them: on a node where the shared
+    directory is not mounted, writing would make the job's folder under the bare mount point,
+    and the chunk would be hidden once the mount is back (its prompt then held for good)."""
+    if location.startswith("s3://") or not jobs.last_body_chunk(r, job):
+        return
+    folder = Path(location) / bodies.chunks_prefix(job)
+    if not folder.is_dir():
+        raise StorageNotFound(f"{folder} is missing: is {location} mounted on this node?")
+
+
+def _drop_handed_on(job: JobName, state: TaskState) -> None:
+    """Remove the chunk of the entry this task went on from, once its successor is stored or
+    its row recorded: it was written for this one generation (_entry), and nothing reads it
+    again. Best effort: one left behind goes with the job's other chunks (`delete`)."""
+    if state.handed_on_chunk is None:
+        return
+    try:
+        storage = storage_at(state.body_location, get_settings(), readers=runtime().pool_size())
+        bodies.remove_entry_chunk(storage, job, state.handed_on_chunk)
+    except (StorageError, ValueError) as exc:
+        log.debug("job %s: a used entry's chunk was not removed (%s)", job, exc)
+
+
+def _hand_over(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState,
+               ongoing: Ongoing | None, params: GenerationParams, partial: Completion | Generation,
+               attempts: int) -> dict | None:
     """A generation aborted here with its partial output, to go on elsewhere from its exact
     tokens: ordered moved to a faster GPU at the end of the run (take.lua, worker/migration.py),
     or this worker is stopping (then back to the front of pending, for the job's other GPUs).
     Its entry becomes the one that continues it, and the prompt moves there (hand_over.lua); the
-    row made there counts each token once and names every GPU that worked on it. None when the
-    abort was neither (it is retried as before)."""
+    row made there counts each token once and names every GPU that worked on it. One that could
+    not go on exactly (a penalised generation) starts over there. None when the abort was
+    neither (it is retried as before)."""
     book, stopping = runtime().book, runtime().shutdown.requested()
     target = None if stopping else window.migration_target(book.r, job, prompt_id, gpu)
     if target is None and not stopping:
         return None
-    frame, tokens = _going_on(messages, partial, gpu, params, body_reference)
+    part = Part.of(partial)
+    if ongoing is None and isinstance(partial, Completion) and partial.prompt_token_ids is None:
+        return None  # no ids to go on from
+    grown = (ongoing or Ongoing.started(partial, params)).went_on(part, gpu, attempts)
+    if params.continuable:
+        frame = _entry(job, state.messages, grown, state)
+    else:
+        frame = state.bare_entry or encode_messages(state.messages)
     if not durable("handing the generation over", window.hand_over, book.r, job, prompt_id, gpu,
-                   target, frame, tokens):
+                   target, frame, len(part.ids), state.entry_digest):
         return {"id": prompt_id, "skipped": "no longer in flight here: not handed over"}
+    _drop_handed_on(job, state)
     runtime().settings.failpoint("generate.after_hand_over")
     if target is not None:
         publish(app, job, target, [prompt_id])
-    log.info("prompt %s: %d tokens generated on %s, continued on %s", prompt_id, tokens, gpu,
-             target or "another GPU (this worker stops)")
-    return {"id": prompt_id, "moved_to": target or "pending", "tokens": tokens}
+    log.info("prompt %s: %d tokens generated on %s, continued on %s", prompt_id, len(part.ids),
+             gpu, target or "another GPU (this worker stops)")
+    return {"id": prompt_id, "moved_to": target or "pending", "tokens": len(part.ids)}
 
 
 def _overflows(client: SGLangClient, prompt_tokens: int, params: GenerationParams) -> bool:
@@ -333,15 +486,18 @@ def _overflows(client: SGLangClient, prompt_tokens: int, params: GenerationParam
     return context is not None and prompt_tokens + params.max_tokens > context
 
 
-def _next_round(job: JobName, prompt_id: str, gpu: GpuName, messages: list[dict],
-                cut: Completion, params: GenerationParams, body_reference: bytes | None) -> dict:
-    """A generation cut at its round's end (window.round_cap): to the back of pending with its
-    exact tokens, for whichever GPU frees a slot to go on (next_round.lua)."""
-    book = runtime().book
-    frame, tokens = _going_on(messages, cut, gpu, params, body_reference)
-    if not durable("handing the generation to its next round", window.next_round, book.r, job,
-                   prompt_id, gpu, frame, tokens):
+def _next_round(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState, grown: Ongoing,
+                made: Part | None) -> dict:
+    """A generation cut at its round's end (window.round_cap), or ended but not yet decoded: to
+    the back of pending with its exact tokens, for whichever GPU frees a slot to go on
+    (next_round.lua). Only while the prompt's entry is still the one this request started from:
+    a stale second delivery of an earlier round hands nothing on."""
+    tokens = len(made.ids) if made is not None else 0
+    if not durable("handing the generation to its next round", window.next_round,
+                   runtime().book.r, job, prompt_id, gpu, _entry(job, state.messages, grown, state),
+                   tokens, state.entry_digest):
         return {"id": prompt_id, "skipped": "no longer in flight here: not handed on"}
+    _drop_handed_on(job, state)
     return {"id": prompt_id, "next_round": True, "tokens": tokens}
 
 

@@ -2,13 +2,21 @@
 -- had) came back cut there, its worker holding the exact ids. The prompt's entry becomes the one
 -- that goes on from them, and the prompt leaves that GPU's in-flight set for the back of pending,
 -- behind the prompts not started yet: every prompt is started before any goes on, and whichever
--- GPU frees a slot continues it. Only while the prompt is still in flight there: one recalled,
--- done or deleted meanwhile is left as it is, and its row is recorded once whatever arrives.
---- keys: inflight prompts pending counters config
---- args: id entry tokens
--- inflight: the GPU's the round ran on; tokens: what that round generated. Returns 1 when it
--- went back to pending, 0 otherwise.
+-- GPU frees a slot continues it. Only while the prompt is still in flight there and its entry is
+-- still the one the round started from: one recalled, done or deleted meanwhile is left as it
+-- is, and so is a stale second delivery of an earlier round (the generation has gone on since:
+-- counting it would count that round twice). Its row is recorded once whatever arrives.
+-- (generate.py also hands on this way a generation that ended while its text could not be
+-- decoded: tokens 0, and the next GPU only decodes it.)
+--- keys: inflight prompts pending counters config rate
+--- args: id entry tokens started_from gpu rate_bucket_s
+-- inflight: the GPU's the round ran on; tokens: what that round generated there (counted in
+-- the job's and the GPU's rates now, when it was made); started_from: the SHA-1 of the entry the
+-- round's task read. Returns 1 when it went back to pending, 0 otherwise.
 if redis.call('EXISTS', config) == 0 then
+  return 0
+end
+if redis.sha1hex(redis.call('HGET', prompts, id) or '') ~= started_from then
   return 0
 end
 if redis.call('ZREM', inflight, id) == 0 then
@@ -16,6 +24,13 @@ if redis.call('ZREM', inflight, id) == 0 then
 end
 redis.call('HSET', prompts, id, entry)
 redis.call('RPUSH', pending, id)
-redis.call('HINCRBY', counters, 'rounds', 1)
-redis.call('HINCRBY', counters, 'round_tokens', tonumber(tokens))
+local made = tonumber(tokens)
+if made > 0 then
+  redis.call('HINCRBY', counters, 'rounds', 1)
+  redis.call('HINCRBY', counters, 'round_tokens', made)
+  local now = tonumber(redis.call('TIME')[1])
+  local bucket = now - now % tonumber(rate_bucket_s)
+  redis.call('HINCRBY', rate, 't:' .. bucket, made)
+  redis.call('HINCRBY', rate, gpu .. ':t:' .. bucket, made)
+end
 return 1

@@ -1,11 +1,13 @@
 -- Record a finished prompt exactly once: done mark, counters and output row in one atomic step,
 -- so the counters always equal what the output holds, whatever is delivered twice.
 --- keys: done inflight prompts failed counters rate output pending config gpus ended speed superseding superseded
---- args: id row input_tokens output_tokens finish_reason gpu rate_bucket_s hist_bucket inflight_prefix prompt tokens_per_s speed_weight
---- uses: elsewhere
+--- args: id row input_tokens output_tokens finish_reason gpu rate_bucket_s hist_bucket inflight_prefix prompt tokens_per_s speed_weight shares made
+--- uses: elsewhere shares
 -- inflight: the GPU's; ended: the index of rows that ended finish_reason. prompt: its messages as
 -- `prompts` stores them (empty: a reason not indexed); tokens_per_s: the request's (empty when
--- too short to say).
+-- too short to say); shares: each GPU's tokens of a row made in several requests (shares.lua);
+-- made: the tokens this last request generated here (the rates: a round handed on counted its
+-- own when it was made, next_round.lua, and a truncated row's prefix was counted long ago).
 -- Returns 1 when recorded, 0 when the id was already done (a duplicate delivery) or the job was
 -- deleted while the request ran (nothing is written: its keys stay gone).
 -- A row recorded after the job was marked done (a late delivery of a prompt in the failed
@@ -35,14 +37,14 @@ redis.call('HINCRBY', counters, 'output_tokens', output_count)
 redis.call('HINCRBY', counters, 'finish:' .. finish_reason, 1)
 redis.call('HINCRBY', counters, 'hist:' .. hist_bucket, 1)
 redis.call('HINCRBY', counters, per_gpu .. 'completed', 1)
-redis.call('HINCRBY', counters, per_gpu .. 'output_tokens', output_count)
+credit_shares(counters, shares, gpu, output_count, 1)
 local now = tonumber(redis.call('TIME')[1])
 local bucket = now - now % tonumber(rate_bucket_s)
 redis.call('HINCRBY', rate, 'c:' .. bucket, 1)
-redis.call('HINCRBY', rate, 't:' .. bucket, output_count)
+redis.call('HINCRBY', rate, 't:' .. bucket, tonumber(made))
 redis.call('HINCRBY', rate, 'i:' .. bucket, input)
 redis.call('HINCRBY', rate, gpu .. ':c:' .. bucket, 1)
-redis.call('HINCRBY', rate, gpu .. ':t:' .. bucket, output_count)
+redis.call('HINCRBY', rate, gpu .. ':t:' .. bucket, tonumber(made))
 redis.call('HSETNX', counters, 'first_completed_at', now)
 redis.call('HSET', counters, 'last_completed_at', now)
 -- How fast this GPU's requests go, for take.lua's end game: a moving average (speed_weight
@@ -64,8 +66,9 @@ end
 -- stream entry, which names its batch once sealed), its share of the counters, and its prompt.
 -- Written here, with the done mark, so the two never disagree; reopen.lua takes it out again.
 if prompt ~= '' then
+  local made_by = shares ~= '' and (gpu .. '/' .. shares) or gpu
   redis.call('HSET', ended, id,
-             entry .. ' ' .. input_tokens .. ' ' .. output_tokens .. ' ' .. gpu .. '\n' .. prompt)
+             entry .. ' ' .. input_tokens .. ' ' .. output_tokens .. ' ' .. made_by .. '\n' .. prompt)
 end
 -- What beat's tick reads to decide whether to seal, instead of the rows (batches.py): the bytes
 -- waiting (each row and its newline, as in the batch file), and the time of the oldest row (its

@@ -12,7 +12,10 @@
 -- batches in <job>/superseded.json (batches.py).
 --- keys: done prompts pending counters ended config superseding
 --- args: id entry input_tokens output_tokens finish_reason gpu hist_bucket continued_tokens indexed place
+--- uses: shares
 -- ended: the index of rows that ended finish_reason; entry: the prompt's new `prompts` entry;
+-- gpu: the GPU the row was recorded on, then, for a row made in several requests, "/" and its
+-- shares (complete.lua's index record, shares.lua);
 -- continued_tokens: ids kept from the old output (0 to start over); indexed: the first line of
 -- the index record as regenerate read it (empty: the row was read from a batch); place: the old
 -- row's stream entry, or its batch's first entry (empty: unknown).
@@ -44,14 +47,16 @@ else
   redis.call('RPUSH', pending, id)
 end
 local input, output_count = tonumber(input_tokens), tonumber(output_tokens)
-local per_gpu = 'gpu:' .. gpu .. ':'
+local recorded_on = string.match(gpu, '^[^/]+')
+local shares = string.match(gpu, '/(.*)$') or ''
+local per_gpu = 'gpu:' .. recorded_on .. ':'
 redis.call('HINCRBY', counters, 'completed', -1)
 redis.call('HINCRBY', counters, 'input_tokens', -input)
 redis.call('HINCRBY', counters, 'output_tokens', -output_count)
 redis.call('HINCRBY', counters, 'finish:' .. finish_reason, -1)
 redis.call('HINCRBY', counters, 'hist:' .. hist_bucket, -1)
 redis.call('HINCRBY', counters, per_gpu .. 'completed', -1)
-redis.call('HINCRBY', counters, per_gpu .. 'output_tokens', -output_count)
+credit_shares(counters, shares, recorded_on, output_count, -1)
 redis.call('HINCRBY', counters, 'regenerated', 1)
 local kept = tonumber(continued_tokens)
 if kept > 0 then
