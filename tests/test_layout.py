@@ -89,7 +89,8 @@ def test_every_script_loads_and_each_call_names_exactly_its_keys_and_arguments()
     from dflash_tasks.core.scripts import Script, ScriptError
 
     scripts = {}
-    for module in ("dflash_tasks.ledger", "dflash_tasks.dispatch.window", "dflash_tasks.output.sealing",
+    for module in ("dflash_tasks.core.jobs", "dflash_tasks.ledger", "dflash_tasks.dispatch.window",
+                   "dflash_tasks.output.sealing",
                    "dflash_tasks.worker.heartbeat", "dflash_tasks.training.queue.runs"):
         for value in vars(importlib.import_module(module)).values():
             if isinstance(value, Script):

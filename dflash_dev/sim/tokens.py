@@ -80,26 +80,32 @@ def encode(text: str) -> list[int]:
 def decode(ids: Iterable[int], *, byte_level: bool = False, skip_special: bool = False) -> str:
     """Text of `ids` decoded at once, as the tokenizer of each mode decodes (see the module's
     docstring); `skip_special`: `<|im_end|>` and the other special tokens left out, the think
-    markers kept (added tokens, not special, as in Qwen3)."""
+    markers kept (added tokens, not special, as in Qwen3). The special tokens are found with
+    list.index and the runs between them decoded whole: a /v1/detokenize of 8,192 ids must not
+    stall the simulated server's loop."""
+    ids = list(ids)
+    found = sorted((at, special) for special in SPECIAL_TEXT for at in _positions(ids, special))
     parts: list[str] = []
-    run: list[int] = []
-
-    def flush() -> None:
-        if run:
+    start = 0
+    for at, special in [*found, (len(ids), None)]:
+        if at > start:
+            run = ids[start:at]
             parts.append(bytes(run).decode("utf-8", "replace") if byte_level
-                         else " ".join(f"w{i}" for i in run))
-            run.clear()
-
-    for i in ids:
-        special = SPECIAL_TEXT.get(i)
-        if special is None:
-            run.append(i)
-            continue
-        flush()
-        if not skip_special or i in (THINK, END_THINK):
-            parts.append(special)
-    flush()
+                         else "w" + " w".join(map(str, run)))
+        if special is not None and (not skip_special or special in (THINK, END_THINK)):
+            parts.append(SPECIAL_TEXT[special])
+        start = at + 1
     return "".join(parts)
+
+
+def _positions(ids: list[int], value: int) -> list[int]:
+    out, at = [], -1
+    try:
+        while True:
+            at = ids.index(value, at + 1)
+            out.append(at)
+    except ValueError:
+        return out
 
 
 ASSISTANT = piece_id("assistant")

@@ -10,6 +10,9 @@ from typing import Callable, Iterable
 import redis
 
 from dflash_tasks.core.keys import JOBS, GpuName, JobName, check_node_name
+from dflash_tasks.core.scripts import Script
+
+NEXT_BODY_CHUNK = Script(__file__, "next_body_chunk")
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,20 +195,10 @@ def body_location(r: redis.Redis, name: JobName, wanted: str | None = None) -> s
 def next_body_chunk(r: redis.Redis, name: JobName) -> int:
     """A chunk number no job of this name has used, not even one deleted since (chunk objects
     are never rewritten): a deletion then removes its own chunks, never a later job's."""
-    with r.pipeline() as pipe:
-        while True:
-            try:
-                pipe.watch(name.config, name.chunk_numbers)
-                if not pipe.hexists(name.config, "status"):
-                    raise JobDeleted(f"job {name} was deleted while this ran")
-                number = _last_body_chunk(pipe, name) + 1
-                pipe.multi()
-                pipe.set(name.chunk_numbers, number)
-                pipe.hset(name.config, "body_chunks", number)
-                pipe.execute()
-                return number
-            except redis.WatchError:
-                continue
+    number = int(NEXT_BODY_CHUNK(r, config=name.config, chunk_numbers=name.chunk_numbers))
+    if not number:
+        raise JobDeleted(f"job {name} was deleted while this ran")
+    return number
 
 
 def last_body_chunk(r: redis.Redis, name: JobName) -> int:

@@ -410,7 +410,9 @@ def store_entry(r, s, job: JobName, frame: bytes, *, readers: int | None = None)
     Storage that does not answer keeps the entry inline meanwhile: the outage costs Redis, never
     the generation."""
     try:
-        location = bodies.job_location(r, job, s)
+        # Read first: the job's location is fixed once it has one, and writing it is a
+        # compare-and-set on the job's config.
+        location = jobs.body_location(r, job) or bodies.job_location(r, job, s)
         _mounted_or_fail(r, job, location)
         storage = storage_at(location, s, readers=readers)
         return bodies.ChunkWriter(r, job, location, storage)([frame])[0]
