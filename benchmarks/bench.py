@@ -20,12 +20,15 @@ decode speed, the real run's output-length distribution), all started here as pr
    the bytes written for a manifest over 1,000 batches
 13. a continuation round (1,000 rows cut at 4,096 continued to 8,192, all long) on 4 servers,
    one 1.5x slower: makespan / ideal                                   goal <= 1.10
+14. the end game's Redis at 64 GPUs x 64 slots: ~47,000 generations of 8,192 random ids
+   handed on between rounds                                            goal < 200 MB
+15. the end game's moves on prompt ids that begin one another: every abort is a move's own
 
 Cases 1-3 run the project and the baseline (benchmarks/baseline.py: one asyncio process, a static
 round-robin split, a semaphore per server) at the same time, each on its own four servers, so both
 see the same machine. The table goes to stdout and to benchmarks/RESULTS.md.
 
-    .venv/bin/python -m benchmarks [--quick] [--cases 1,2,4,5,6,7,8,10,11,12] [--results PATH]
+    .venv/bin/python -m benchmarks [--quick] [--cases 1,2,4,5,6,7,8,10,11,12,13,14,15] [--results PATH]
 """
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ from dflash_tasks.core.settings import Settings  # noqa: E402
 from dflash_tasks.ingest.prompts import read_prompts  # noqa: E402
 
 README = ROOT / "README.md"
-DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12,13"
+DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12,13,14,15"
 CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path(tempfile.gettempdir()) / "dflash-bench"))
 
 
@@ -655,6 +658,10 @@ def main() -> None:
         if "13" in cases:
             results["case13"] = seed_run.continuation_round_case(work, cfg.round_prompts,
                                                                  cfg.servers, cfg.slow_factor)
+        if "14" in cases:
+            results["case14"] = seed_run.endgame_redis_case(work)
+        if "15" in cases:
+            results["case15"] = seed_run.colliding_ids_case(work)
     finally:
         results["bench_wall_s"] = time.monotonic() - started
         (work / "results.json").write_text(json.dumps(results, indent=1))

@@ -174,6 +174,22 @@ def _seed_rows(res: dict) -> list[tuple]:
             _overhead_row("13", c13, c13["ratio"]),
             _moves_row("13", c13),
         ]
+    c14 = res.get("case14")
+    if c14:
+        rows.append((
+            "14", f"the end game's Redis at {c14['gpus']} GPUs x {c14['slots']} slots:"
+                  f" {c14['generations']:,} generations of {c14['tokens']:,} random ids handed on"
+                  " (the job's `prompts` hash / used_memory growth)", "< 200 MB",
+            f"{c14['prompts_hash_bytes'] / 1e6:.1f} / {c14['redis_growth_bytes'] / 1e6:+.1f} MB",
+            f"{c14['inline_bytes'] / 1e6:,.0f} MB (the entries inline, as before; computed)",
+            c14["prompts_hash_bytes"] < 200e6 and c14["redis_growth_bytes"] < 200e6))
+    c15 = res.get("case15")
+    if c15:
+        rows.append((
+            "15", f"moves on {c15['prompts']} prompt ids that begin one another (`q7`, `q7:1`, ...):"
+                  " requests aborted / moves; requests no move or round explains",
+            "aborted = moves; 0", f"{c15['aborted']:,} / {c15['moved']:,}; {c15['extra_requests']:,}",
+            "—", c15["aborted"] == c15["moved"] and c15["extra_requests"] == 0))
     return rows
 
 
@@ -430,8 +446,32 @@ def render(res: dict) -> str:
 
 
 def _seed_measured(res: dict) -> list[str]:
-    """How cases 10-12 were measured (benchmarks/seed_run.py)."""
+    """How cases 10-12 and 14 were measured (benchmarks/seed_run.py)."""
     out = []
+    if c15 := res.get("case15"):
+        out += [
+            f"- **Case 15.** {c15['prompts']} prompts whose ids begin one another (four per stem:"
+            " `q7`, `q7:1`, `q7:1:1`, `q7:1:1:1`), two simulated servers of 16 slots, one 4x"
+            f" slower, the deployed end game: {c15['moved']:,} generations moved,"
+            f" {c15['rounds']:,} rounds handed on, {c15['requests']:,} requests in all, of which"
+            f" the servers answered {c15['aborted']:,} \"abort\"; {c15['retries']:,} retries."
+            " Before issue 38 a move aborted every request whose rid began with `job:q7:`, the"
+            " requests of `q7:1`, `q7:1:1` and `q7:1:1:1` among them.",
+            ""]
+    if c14 := res.get("case14"):
+        out += [
+            f"- **Case 14.** A job of {c14['generations']:,} prompts in a redis-server of its own,"
+            f" all in flight on one GPU: as many generations as the end game holds at"
+            f" {c14['gpus']} GPUs x {c14['slots']} slots (fewer than 10 per slot pending when rounds"
+            f" begin, plus those running: about 11.5 per slot). Each was handed on to its next"
+            f" round by the worker's own code (`store_entry`, `next_round.lua`) with"
+            f" {c14['tokens']:,} random token ids: its entry went to a chunk on the output"
+            f" storage ({c14['storage_bytes'] / 1e6:,.0f} MB written, {c14['hand_on_ms']:.1f} ms a"
+            f" hand-on), and Redis kept a reference. The `prompts` hash then held"
+            f" {c14['prompts_hash_bytes'] / 1e6:.1f} MB (MEMORY USAGE), used_memory changed by"
+            f" {c14['redis_growth_bytes'] / 1e6:+.1f} MB from the prompts' own entries; inline, as"
+            f" before, the same entries are {c14['inline_bytes'] / 1e6:,.0f} MB.",
+            ""]
     c10, c11, c12 = res.get("case10"), res.get("case11"), res.get("case12")
     if c10:
         out += [

@@ -14,6 +14,7 @@ row recorded by complete.lua, a batch sealed by the BatchWriter), as a run leave
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import statistics
@@ -22,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import redis
 
 from dflash_dev.local import LocalCluster, free_port, wait_until
@@ -31,7 +33,7 @@ from dflash_tasks.ledger import Ledger
 from dflash_tasks.ledger.messages import encode_messages
 from dflash_tasks.output.batches import BatchPolicy, BatchWriter, read_batch, read_manifest
 from dflash_tasks.output.storage import LocalStorage
-from dflash_tasks.sglang.continuation import entry_from_row
+from dflash_tasks.sglang.ongoing import entry_from_row
 
 ROOT = Path(__file__).resolve().parent.parent
 CUT = 4096
@@ -94,7 +96,7 @@ def continuation_case(work: Path, prompts: int, servers: int = 4) -> dict:
                 if row["metadata"]["finish_reason"] == "length":
                     truncated[row["id"]] = row["token_ids"]["response"]
                     # What taking it back stored in Redis before: the entry's JSON, prefix and all.
-                    entry_bytes.append(len(json.dumps(entry_from_row(row, continue_output=True),
+                    entry_bytes.append(len(json.dumps(entry_from_row(row, continue_output=True, cap=2 * CUT),
                                                       ensure_ascii=False, separators=(",", ":"))))
             writer.flush(job, final=True)
         assert book.finish(job) == "done"
@@ -123,7 +125,8 @@ def continuation_case(work: Path, prompts: int, servers: int = 4) -> dict:
         extended = sum(1 for pid, prefix in truncated.items()
                        if newest[pid]["token_ids"]["response"][:CUT] == prefix
                        and _after_prefix(newest[pid]["metadata"]))
-        moved = [pid for pid in truncated if "gpus" in newest[pid]["metadata"]]
+        # Its prefix's share, then more than one GPU's after it: moved by the end game.
+        moved = [pid for pid in truncated if len(newest[pid]["metadata"]["gpus"]) > 2]
     n = len(truncated)
     return {"prompts": prompts, "reopened": n, "regenerate_s": regenerate_s,
             "s_per_10k": regenerate_s * 10_000 / n,
@@ -137,13 +140,11 @@ def continuation_case(work: Path, prompts: int, servers: int = 4) -> dict:
 
 
 def _after_prefix(meta: dict) -> bool:
-    """A continued row counts its prefix of CUT tokens as continued, and every token after it
-    once: made in one request (continued_tokens CUT), or, moved by the end game or made in
-    rounds, in shares (metadata.gpus) that add up to what follows the prefix."""
-    if "gpus" not in meta:
-        return meta.get("continued_tokens") == CUT
-    return meta.get("continued_tokens", 0) >= CUT and \
-        CUT + sum(share["tokens"] for share in meta["gpus"]) == meta["completion_tokens"]
+    """A continued row counts its prefix of CUT tokens as continued, and every token once in the
+    shares of the GPUs that made them (metadata.gpus: the prefix's, then those after it, moved by
+    the end game or made in rounds included)."""
+    return meta.get("continued_tokens") == CUT and \
+        sum(share["tokens"] for share in meta.get("gpus") or ()) == meta["completion_tokens"]
 
 
 def _fill_unacked(r: redis.Redis, n: int, job: str, gpus: list[str]) -> None:
@@ -309,3 +310,88 @@ def continuation_round_case(work: Path, prompts: int, servers: int, slow_factor:
             "tokens_lost": generated - sum(row["metadata"]["completion_tokens"] - CUT
                                            for row in continued),
             "regenerate_output": out[-1000:]}
+
+
+def endgame_redis_case(work: Path, gpus: int = 64, slots: int = 64, tokens: int = 8192) -> dict:
+    """Case 14: what the end game holds in Redis at the seed's fleet. Up to about 11.5
+    generations per slot wait between rounds or run (fewer than 10 per slot pending when rounds
+    begin, plus those in flight), each handed on with its exact ids (tasks/generate.py's
+    store_entry, window.next_round): every one at `tokens` tokens of random ids, which compress
+    like real ones (not at all). Measured: Redis's used_memory before and after the hand-ons,
+    against the bytes the same entries would have held inline (before issue 38)."""
+    from dflash_tasks.core.settings import Settings
+    from dflash_tasks.dispatch import window
+    from dflash_tasks.sglang.ongoing import Ongoing, Share
+    from dflash_tasks.tasks.generate import entry_frame, store_entry
+
+    root, job = work / "case14", JobName("endgame")
+    n = round(11.5 * gpus * slots)
+    rng = random.Random(14)
+    gpu = "gpu0@node0"
+    with LocalCluster(root / "logs", env={}) as c:
+        r = redis.Redis.from_url(c.start_redis(free_port(), root / "redis"))
+        s = Settings(output_dir=root / "output")
+        jobs.save(r, job, jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="x")
+        messages = [{"role": "user", "content": _words(rng, 180)}]
+        Ledger(r).add_prompts(job, [(f"g{i:06d}", encode_messages(messages)) for i in range(n)])
+        r.zadd(job.inflight(gpu), {f"g{i:06d}": 1 for i in range(n)})
+        frames = [entry_frame(messages, Ongoing(
+            [rng.randrange(151643) for _ in range(400)],
+            [rng.randrange(151643) for _ in range(tokens)], jobs.GenerationParams(),
+            (Share(gpu, tokens, 30.0),), latency_s=30.0, parts=4), None)
+            for _ in range(64)]
+        before = int(r.info("memory")["used_memory"])
+        log(f"case 14: {n:,} generations of {tokens:,} tokens handed on ({gpus} GPUs x {slots} "
+            "slots)")
+        started = time.monotonic()
+        inline = 0
+        for i in range(n):
+            prompt_id, frame = f"g{i:06d}", frames[i % len(frames)]
+            started_from = hashlib.sha1(r.hget(job.prompts, prompt_id)).hexdigest()
+            kept = store_entry(r, s, job, frame)
+            assert window.next_round(r, job, prompt_id, gpu, kept, 2048, started_from)
+            inline += len(frame)
+        took = time.monotonic() - started
+        after = int(r.info("memory")["used_memory"])
+        held = int(r.memory_usage(job.prompts, samples=0))
+        on_disk = sum(p.stat().st_size for p in (root / "output").rglob("chunk-*.zst"))
+    return {"gpus": gpus, "slots": slots, "generations": n, "tokens": tokens,
+            "redis_before_bytes": before, "redis_after_bytes": after,
+            "redis_growth_bytes": after - before, "prompts_hash_bytes": held,
+            "inline_bytes": inline,
+            "storage_bytes": on_disk, "hand_on_ms": 1000 * took / n}
+
+
+def colliding_ids_case(work: Path, prompts: int = 400) -> dict:
+    """Case 15: the end game's moves on a job whose prompt ids begin one another (`q7`, `q7:1`,
+    `q7:1:0`, ...: free text, as datasets' ids are). Two servers, one 4x slower, so the end game
+    moves generations off it; a move aborts its own request only. Counted: the moves (the
+    `migrated` counter), the requests the servers answered "abort", and the requests beyond one
+    per row that no move explains (a request aborted by another prompt's move is sent again)."""
+    root, job = work / "case15", JobName("ids")
+    ids = [f"q{i // 4}" + ":1" * (i % 4) for i in range(prompts)]
+    dataset = root / "ids.jsonl"
+    dataset.parent.mkdir(parents=True, exist_ok=True)
+    dataset.write_text("".join(json.dumps({"id": pid, "prompt": f"Question {i}: derive case "
+                                           f"{i * 7919 % 4099} in full."}) + "\n"
+                               for i, pid in enumerate(ids)))
+    sim = ["--slots", "16", "--decode-tps", "2000"]
+    with LocalCluster(root / "logs", env={"DFLASH_OUTPUT_DIR": str(root / "output")}) as c:
+        r = redis.Redis.from_url(c.start_redis(free_port(), root / "redis"))
+        urls = c.start_servers(2, sim, extra_args={1: ["--slow-factor", "4"]})
+        c.start_workers()
+        c.start_beat()
+        log(f"case 15: {prompts} prompts whose ids begin one another, one server 4x slower")
+        c.manage("enqueue", "--dataset", str(dataset), "--job", job, "--max-output-tokens", "8192",
+                 capture=True)
+        wait_until(lambda: r.hget(job.config, "status") == b"done", timeout=900, interval=1.0,
+                   what="the job of colliding ids")
+        counters = {k.decode(): int(v) for k, v in r.hgetall(job.counters).items()}
+        aborted = sum(httpx.get(f"{url}/sim/stats", timeout=10).json()["completed"].get("abort", 0)
+                      for url in urls)
+        requests = sum(httpx.get(f"{url}/sim/stats", timeout=10).json()["requests"]
+                       for url in urls)
+    moved, rounds = counters.get("migrated", 0), counters.get("rounds", 0)
+    return {"prompts": prompts, "moved": moved, "aborted": aborted, "requests": requests,
+            "rounds": rounds, "extra_requests": requests - prompts - moved - rounds,
+            "retries": counters.get("retries", 0)}
