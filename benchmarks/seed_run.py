@@ -332,6 +332,7 @@ def endgame_redis_case(work: Path, gpus: int = 64, slots: int = 64, tokens: int 
         r = redis.Redis.from_url(c.start_redis(free_port(), root / "redis"))
         s = Settings(output_dir=root / "output")
         jobs.save(r, job, jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="x")
+        jobs.body_location(r, job, wanted=str(root / "output"))  # a job of the seed's size
         messages = [{"role": "user", "content": _words(rng, 180)}]
         Ledger(r).add_prompts(job, [(f"g{i:06d}", encode_messages(messages)) for i in range(n)])
         r.zadd(job.inflight(gpu), {f"g{i:06d}": 1 for i in range(n)})

@@ -410,9 +410,12 @@ def store_entry(r, s, job: JobName, frame: bytes, *, readers: int | None = None)
     Storage that does not answer keeps the entry inline meanwhile: the outage costs Redis, never
     the generation."""
     try:
-        # Read first: the job's location is fixed once it has one, and writing it is a
-        # compare-and-set on the job's config.
-        location = jobs.body_location(r, job) or bodies.job_location(r, job, s)
+        # Only a job whose prompt texts are kept on storage (--bodies storage, or truncated rows
+        # taken back by regenerate --continue) keeps its generations there: a job of Redis
+        # bodies is a small one, and its output's S3 must not hold up the end game when out.
+        location = jobs.body_location(r, job)
+        if location is None:
+            return frame
         _mounted_or_fail(r, job, location)
         storage = storage_at(location, s, readers=readers)
         return bodies.ChunkWriter(r, job, location, storage)([frame])[0]
