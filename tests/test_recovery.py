@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import Cluster, write_jsonl
+from failure_support import sim_hold
 from support import Proc, free_port, wait_until
 
 from dflash_tasks.core.keys import JobName
@@ -74,6 +75,11 @@ def test_a_gpu_whose_worker_never_comes_back_hands_its_prompts_to_the_others(tmp
                  "--max-output-tokens", "512")
         wait_until(lambda: c.status("gone")["gpus"][c.gpu(1)]["completed"] >= 5, timeout=120,
                    what="gpu1 to complete some prompts")
+        # Held, gpu1's requests stay in flight however slow the machine is: the kill below
+        # always leaves prompts there (else a loaded machine may let gpu1 finish its share first).
+        sim_hold(c.url(1))
+        wait_until(lambda: c.status("gone")["gpus"][c.gpu(1)]["in_flight"] > 0, timeout=60,
+                   what="prompts in flight on the held gpu1")
         c.workers[1].kill()  # SIGKILL: its heartbeat stops, its messages stay unacknowledged
 
         def finished_while_accounting():
