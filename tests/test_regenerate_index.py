@@ -18,7 +18,7 @@ from test_spool import CutRemote
 
 from dflash_tasks.core import jobs
 from dflash_tasks.core.keys import JobName
-from dflash_tasks.ledger import Ledger, bodies
+from dflash_tasks.ledger import EndedRow, Ledger, bodies
 from dflash_tasks.ledger.messages import decode_messages, encode_messages
 from dflash_tasks.output.batches import BatchPolicy, BatchWriter, batch_key, rows_at
 from dflash_tasks.output.spool import Spool
@@ -277,3 +277,27 @@ def test_the_index_keeps_the_entry_the_task_read_and_encodes_a_continued_one(red
     assert state.bare_entry is None and state.continuation is not None
     assert book.complete(JobName("kept"), "p012", GPU, _row(12, "length"), bare_entry=state.bare_entry)
     assert decode_messages(next(book.ended_rows(JobName("kept"), "length")).prompt) == _messages(12)
+
+
+def test_a_row_of_no_tokens_and_a_share_of_none_are_taken_back(redis_url):
+    """A share of no tokens (a generation moved before its first token) and a row of none are
+    taken back like any other: Lua's -0 would reach HINCRBY as "-0", which Redis refuses (a chaos
+    sequence's regenerate crashed on it)."""
+    r = redis_lib.Redis.from_url(redis_url)
+    book, k = Ledger(r), JobName("zero")
+    jobs.save(r, k, jobs.GenerationParams(max_tokens=CAP),
+              selection=jobs.GpuSelection.parse("all"), dataset="x", status="running")
+    book.add_prompts(k, [(f"p{i:03d}", encode_messages(_messages(i))) for i in (1, 2)])
+    moved = _row(1, "length")
+    moved["metadata"]["gpus"] = [{"gpu": "gpu1@b", "tokens": 0, "seconds": 0.2},
+                                 {"gpu": GPU, "tokens": CUT_AT, "seconds": 1.0}]
+    empty = _row(2, "stop")
+    empty["metadata"]["completion_tokens"], empty["token_ids"]["response"] = 0, []
+    assert book.complete(k, "p001", GPU, moved) and book.complete(k, "p002", GPU, empty)
+    ended = next(book.ended_rows(k, "length"))  # through the index
+    assert book.reopen(k, ended, ended.prompt, 0)
+    # a row read from its batch (rows that stop are not indexed)
+    assert book.reopen(k, EndedRow.from_row(empty), encode_messages(_messages(2)), 0)
+    c = _counters(r, "zero")
+    assert c["completed"] == c["output_tokens"] == 0 and r.scard(k.done) == 0
+    assert c[f"gpu:{GPU}:output_tokens"] == c["gpu:gpu1@b:output_tokens"] == 0

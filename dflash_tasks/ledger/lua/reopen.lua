@@ -51,8 +51,9 @@ local recorded_on = string.match(gpu, '^[^/]+')
 local shares = string.match(gpu, '/(.*)$') or ''
 local per_gpu = 'gpu:' .. recorded_on .. ':'
 redis.call('HINCRBY', counters, 'completed', -1)
-redis.call('HINCRBY', counters, 'input_tokens', -input)
-redis.call('HINCRBY', counters, 'output_tokens', -output_count)
+-- 0 - n, not -n: a row of no tokens would send Redis "-0" (shares.lua)
+redis.call('HINCRBY', counters, 'input_tokens', 0 - input)
+redis.call('HINCRBY', counters, 'output_tokens', 0 - output_count)
 redis.call('HINCRBY', counters, 'finish:' .. finish_reason, -1)
 redis.call('HINCRBY', counters, 'hist:' .. hist_bucket, -1)
 redis.call('HINCRBY', counters, per_gpu .. 'completed', -1)
