@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-sglang demo local local-stop bench bench-10m chaos readme-story clean
+.PHONY: install test test-sglang demo local local-stop bench bench-compare bench-10m chaos readme-story clean
 
 install: $(STAMP)
 
@@ -58,6 +58,14 @@ local-stop:
 # benchmarks/RESULTS.md, and the README's Performance section after a full run.
 bench: install
 	$(PY) -m benchmarks
+
+# A change against the code before it (REV), on this machine: CASES' makespan / ideal, RUNS runs a
+# side taking turns (benchmarks/compare.py; about a minute a run for cases 7 and 13).
+REV ?= HEAD~1
+CASES ?= 7,13
+RUNS ?= 3
+bench-compare: install
+	$(PY) -m benchmarks.compare --rev $(REV) --cases $(CASES) --runs $(RUNS)
 
 # Case 9 alone: ten million prompts enqueued and resumed with their bodies on storage (about ten
 # minutes, and two more the first time, to generate its 11 GB dataset into $$DFLASH_BENCH_CACHE,

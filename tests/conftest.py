@@ -62,6 +62,7 @@ class Cluster(LocalCluster):
             "DFLASH_BATCH_MAX_AGE_S": "2",
             "DFLASH_RETRY_BASE_S": "0.2",
             "DFLASH_RETRY_CAP_S": "2",
+            "HF_HUB_OFFLINE": "1",  # nothing a test runs reaches the Hugging Face hub
             # A Redis the tests did not start (DFLASH_TEST_REDIS_URL) may persist nothing.
             **({"DFLASH_ALLOW_NO_PERSISTENCE": "1"} if os.environ.get("DFLASH_TEST_REDIS_URL") else {}),
             **{f"DFLASH_{k.upper()}": str(v) for k, v in settings.items()},

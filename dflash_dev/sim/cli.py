@@ -30,6 +30,10 @@ _POSITIVE = click.FloatRange(min=0.0, min_open=True)
               show_default=True, help="Share of natural outputs longer than 4096 tokens.")
 @click.option("--fixed-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="If > 0, every natural output is exactly this long.")
+@click.option("--sampling", type=click.Choice(["fixed", "random"]), default="fixed", show_default=True,
+              help="fixed: every request for a prompt gets its one output, so a benchmark can compute "
+                   "every length in advance; random: a request at a temperature above 0 draws one of "
+                   "the prompt's outputs (each its own length and words), as samples do.")
 @click.option("--startup-seconds", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="/health answers 503 for this long after start.")
 @click.option("--fail-503", type=_PROBABILITY, default=0.0, show_default=True,

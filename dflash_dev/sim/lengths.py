@@ -11,6 +11,7 @@ The benchmark computes a run's ideal makespan from `chat_plan` + `service_second
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ def reasoning_share(prompt_key: bytes) -> float:
 
 
 def layout_for(prompt_key: bytes, natural: int, thinking: bool,
-               byte_level: bool = False) -> tokens.Layout:
+               byte_level: bool = False, head: tuple[int, ...] = ()) -> tokens.Layout:
     """How a response of `natural` tokens is cut into reasoning and answer (see tokens.Layout).
 
     Thinking mode needs at least 4 tokens (the two markers, one reasoning word, `<|im_end|>`), so a
@@ -63,10 +64,10 @@ def layout_for(prompt_key: bytes, natural: int, thinking: bool,
     """
     offset = int.from_bytes(prompt_key[10:14], "big")
     if not thinking:
-        return tokens.Layout(False, 0, natural - 1, offset, byte_level)
+        return tokens.Layout(False, 0, natural - 1, offset, byte_level, head)
     body = max(natural, _MIN_THINKING_TOKENS) - 3  # reasoning + answer words
     reasoning = min(max(1, round(reasoning_share(prompt_key) * body)), max(1, body - 1))
-    return tokens.Layout(True, reasoning, body - reasoning, offset, byte_level)
+    return tokens.Layout(True, reasoning, body - reasoning, offset, byte_level, head)
 
 
 @dataclass(frozen=True)
@@ -90,14 +91,31 @@ class ResponsePlan:
         return max_new_tokens, "length"
 
 
+# A sampled output's salt (sampled_salt) is said as its first two words, so that a continuation
+# on any server reads it back from the ids (salt_of) and goes on with the same output.
+SALTS = tokens.VOCAB * tokens.VOCAB
+
+
 def plan_response(prompt_ids: Sequence[int], thinking: bool, *, median: float = 1800.0,
                   p_over_4096: float = 0.18, fixed_tokens: int = 0,
-                  byte_level: bool = False) -> ResponsePlan:
+                  byte_level: bool = False, salt: int | None = None) -> ResponsePlan:
     """The plan for a rendered prompt; `fixed_tokens` > 0 makes every natural length that long;
-    `byte_level`: the byte-level tokenizer's output (tokens.py)."""
+    `byte_level`: the byte-level tokenizer's output (tokens.py); `salt`: one of the prompt's
+    sampled outputs (its own length and words, the salt its first two words), None: the one a
+    greedy request gets, always the same."""
     key = tokens.prompt_key(prompt_ids)
+    head: tuple[int, ...] = ()
+    if salt is not None:
+        key = hashlib.blake2b(key + salt.to_bytes(8, "big"), digest_size=16).digest()
+        head = (salt % tokens.VOCAB, salt // tokens.VOCAB)
     natural = fixed_tokens if fixed_tokens > 0 else natural_length(key, median, p_over_4096)
-    return ResponsePlan(key, len(prompt_ids), layout_for(key, natural, thinking, byte_level))
+    return ResponsePlan(key, len(prompt_ids), layout_for(key, natural, thinking, byte_level, head))
+
+
+def salt_of(response_ids: Sequence[int]) -> int | None:
+    """The salt a sampled output's first two words say (plan_response); None before both."""
+    words = [i for i in response_ids[:8] if i < tokens.VOCAB][:2]
+    return words[0] + tokens.VOCAB * words[1] if len(words) == 2 else None
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Sequence
 
 from aiohttp import web
 
@@ -74,6 +74,10 @@ class SimConfig:
     median_tokens: float = 1800.0
     p_over_4096: float = 0.18
     fixed_tokens: int = 0
+    # "fixed": every request for a prompt gets its one output (benchmarks compute every length in
+    # advance); "random": a request at a temperature above 0 draws one of the prompt's outputs at
+    # random, and a continuation goes on with the one its ids began (lengths.plan_response).
+    sampling: str = "fixed"
     startup_seconds: float = 0.0
     fail_503: float = 0.0
     reset_rate: float = 0.0
@@ -158,12 +162,19 @@ class SimServer:
         self.config = config
         if config.tokenizer not in ("words", "bytes"):
             raise ValueError(f"tokenizer must be words or bytes, not {config.tokenizer!r}")
+        if config.sampling not in ("fixed", "random"):
+            raise ValueError(f"sampling must be fixed or random, not {config.sampling!r}")
+        if config.sampling == "random" and config.tokenizer == "bytes":
+            raise ValueError("--sampling random says its salt in words: use --tokenizer words")
         self.byte_level = config.tokenizer == "bytes"
         # Each generation request's effective sampling parameters, newest last (/sim/sampling).
         self.sampling_seen: deque[dict] = deque(maxlen=100_000)
         self.faults = {"fail_503": config.fail_503, "reset_rate": config.reset_rate,
                        "hang_rate": config.hang_rate, "slow_factor": config.slow_factor}
         self._rng = random.Random(config.seed)
+        # Sampled outputs' draws, seeded from the system like an SGLang server's own (its
+        # --random-seed is random unless set): two servers never draw alike by accident.
+        self._sampler = random.Random()
         self.started_at = time.time()
         self.up_at = self.started_at + config.startup_seconds
         self.down_until = 0.0
@@ -500,9 +511,7 @@ class SimServer:
                                                "BadRequestError"))
         prompt_ids = tokens.render_chat(messages, thinking)
         budget = _check_context(len(prompt_ids), max_tokens, config.context_length, openai=True)
-        plan = lengths.plan_response(prompt_ids, thinking, median=config.median_tokens,
-                                     p_over_4096=config.p_over_4096, fixed_tokens=config.fixed_tokens,
-                                     byte_level=self.byte_level)
+        plan = self._plan(prompt_ids, thinking, data.get("temperature"))
         rid = data.get("rid")
         rid = rid if isinstance(rid, str) and rid else os.urandom(16).hex()
         gen = Generation(rid, plan, 0, budget, self._cached_tokens(plan.key, len(prompt_ids)))
@@ -568,12 +577,31 @@ class SimServer:
             raise _native_error(f"max_new_tokens must be a non-negative integer, got {max_new!r}.")
         budget = _check_context(len(input_ids), max_new, config.context_length, openai=False)
         end, thinking = tokens.split_prompt(input_ids)
-        plan = lengths.plan_response(input_ids[:end], bool(thinking), median=config.median_tokens,
-                                     p_over_4096=config.p_over_4096, fixed_tokens=config.fixed_tokens,
-                                     byte_level=self.byte_level)
+        plan = self._plan(input_ids[:end], bool(thinking), sampling.get("temperature"),
+                          so_far=input_ids[end:])
         rid = data.get("rid")
         rid = rid if isinstance(rid, str) and rid else os.urandom(16).hex()
         return Generation(rid, plan, len(input_ids) - end, budget, self._cached_tokens(plan.key, len(input_ids))), None
+
+    def _plan(self, prompt_ids: list[int], thinking: bool, temperature: Any, *,
+              so_far: Sequence[int] = ()) -> lengths.ResponsePlan:
+        """The response plan: the prompt's one output, or with --sampling random at a temperature
+        above 0 (unset is SGLang's 1.0) one drawn at random; a continuation (`so_far`: the ids
+        it has) goes on with the output they began, on whichever server, as a model conditions
+        on what it has said."""
+        config = self.config
+        salt = None
+        if config.sampling == "random" and not (isinstance(temperature, (int, float))
+                                                and temperature == 0):
+            salt = lengths.salt_of(so_far) if so_far else None
+            if salt is None:
+                known = [i for i in so_far if i < tokens.VOCAB][:1]  # cut after its first word
+                salt = (known[0] if known else self._sampler.randrange(tokens.VOCAB)) \
+                    + tokens.VOCAB * self._sampler.randrange(tokens.VOCAB)
+        return lengths.plan_response(prompt_ids, thinking, median=config.median_tokens,
+                                     p_over_4096=config.p_over_4096,
+                                     fixed_tokens=config.fixed_tokens,
+                                     byte_level=self.byte_level, salt=salt)
 
     def _generate_body(self, gen: Generation, outcome: str, _params: None) -> dict:
         layout, n, start = gen.plan.layout, gen.completion, gen.start

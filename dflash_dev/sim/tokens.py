@@ -201,12 +201,15 @@ def _window(seq2: list, start: int, stop: int) -> list:
 class Layout:
     """How one prompt's natural response is laid out in positions 0..length."""
 
-    __slots__ = ("thinking", "reasoning", "answer", "offset", "length", "byte_level", "_segments")
+    __slots__ = ("thinking", "reasoning", "answer", "offset", "length", "byte_level", "head",
+                 "_segments")
 
     def __init__(self, thinking: bool, reasoning: int, answer: int, offset: int,
-                 byte_level: bool = False):
+                 byte_level: bool = False, head: tuple[int, ...] = ()):
         self.thinking = thinking
         self.byte_level = byte_level
+        # Word ids said first, before the table's (a sampled output's salt: lengths.py)
+        self.head = head
         offset = char_start(offset) if byte_level else offset
         self.reasoning = reasoning if thinking else 0
         self.answer = answer
@@ -232,8 +235,20 @@ class Layout:
                 out.append(special)
             else:
                 j = self.offset + base + lo - s0
-                out.extend(_window(_BYTES2 if self.byte_level else _IDS2, j, j + hi - lo))
+                words = _window(_BYTES2 if self.byte_level else _IDS2, j, j + hi - lo)
+                out.extend(self._headed(words, base + lo - s0, as_text=False) if self.head
+                           else words)
         return out
+
+    def _headed(self, words: list, first: int, *, as_text: bool) -> list:
+        """`words` (the response's words first.. from the table, as ids or as text) with the
+        head's words in place of those it covers."""
+        if first >= len(self.head):
+            return words
+        words = list(words)
+        for i in range(first, min(len(self.head), first + len(words))):
+            words[i - first] = f"w{self.head[i]}" if as_text else self.head[i]
+        return words
 
     def text(self, start: int, stop: int) -> str:
         """The text of positions start..stop decoded alone (`decode(ids(start, stop),
@@ -250,7 +265,9 @@ class Layout:
                 parts.append(bytes(_window(_BYTES2, j, j + hi - lo)).decode("utf-8", "replace"))
             else:
                 j = self.offset + base + lo - s0
-                parts.append(" ".join(_window(_WORDS2, j, j + hi - lo)))
+                words = _window(_WORDS2, j, j + hi - lo)
+                parts.append(" ".join(self._headed(words, base + lo - s0, as_text=True)
+                                      if self.head else words))
         return "".join(parts)
 
     def reasoning_tokens(self, stop: int) -> int:

@@ -30,12 +30,20 @@ from dflash_tasks.core.settings import get_settings
 # -- enqueue ------------------------------------------------------------------------------------
 
 @click.command()
-@click.option("--dataset", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file of prompts.")
+@click.option("--dataset", required=True, metavar="FILE|DIR|hf:ORG/NAME",
+              help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file of prompts; or a dataset "
+                   "by name: hf:ORG/NAME streamed from the Hugging Face hub, or a local copy of "
+                   "one (a save_to_disk directory, or the hub's own layout).")
+@click.option("--subset", help="The named dataset's subset (its configuration).")
+@click.option("--split", help="The named dataset's split.", show_default="train")
 @click.option("--job", "name", type=JOB, required=True,
               help="Job name; enqueue the same job again to resume.")
 @generation_options(shown_defaults=True)
 @click.option("--limit", type=click.IntRange(min=1), help="Only the first N valid prompts.")
+@click.option("--samples", type=click.IntRange(1, 1000),
+              help="Rows per prompt: N independent samples, each with its own id (<id>#0 .. "
+                   "<id>#N-1), resumed and retried alone. A resume may raise it.",
+              show_default="1; a resumed job keeps its own")
 @click.option("--gpus", metavar="all|N|GPUS",
               help="The GPUs the job uses, among every node's registered ones (a node that joins "
                    "later included): all, N (gpu0..gpuN-1 of each node) or names "
@@ -53,12 +61,13 @@ from dflash_tasks.core.settings import get_settings
               show_default="DFLASH_S3_URI, else DFLASH_OUTPUT_DIR made absolute; a resumed job "
                            "keeps its own")
 @click.option("--follow", is_flag=True, help="Show progress until the job is done.")
-def enqueue(dataset: Path, name: JobName, limit, gpus, nodes, bodies, output, follow,
-            **options) -> None:
+def enqueue(dataset: str, subset, split, name: JobName, limit, samples, gpus, nodes, bodies,
+            output, follow, **options) -> None:
     """Store a dataset's prompts as a job and start dispatching them; resumes a known job."""
     from dflash_tasks import dispatch
+    from dflash_tasks.ingest import hub
     from dflash_tasks.ingest.loader import CHUNK, PromptLoader
-    from dflash_tasks.ingest.prompts import DatasetError, ReadSummary, read_prompts
+    from dflash_tasks.ingest.prompts import DatasetError, ReadSummary, read_prompts, with_samples
     from dflash_tasks.ledger import shared_ledger
     from dflash_tasks.ledger.bodies import ChunkWriter, job_location
     from dflash_tasks.output.storage import StorageError, storage_at
@@ -78,14 +87,16 @@ def enqueue(dataset: Path, name: JobName, limit, gpus, nodes, bodies, output, fo
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--gpus/--nodes") from None
     where = _output_or_fail(existing, output, bodies == "storage")
+    samples = _samples_or_fail(existing, samples)
 
     summary = ReadSummary()
+    source = hub.describe(dataset, subset, split)  # as the job records it
     # A new job is `loading` until its whole dataset is stored (take.lua dispatches nothing), and
     # is removed again if the dataset cannot be read to its end. A resumed job keeps its state
     # and parameters until then.
     if existing is None:
-        jobs.save(r, name, params, selection=selection, dataset=str(dataset), status=lifecycle.LOADING,
-                  output=where)
+        jobs.save(r, name, params, selection=selection, dataset=source, status=lifecycle.LOADING,
+                  output=where, samples=samples)
     # Chunks are stored by a sender thread while the next ones are read; on a resume only the
     # prompts the job does not know yet are encoded and sent (loader.py).
     book = shared_ledger()
@@ -113,16 +124,18 @@ def enqueue(dataset: Path, name: JobName, limit, gpus, nodes, bodies, output, fo
             jobs.delete(r, name)
         raise
     try:
-        prompts = read_prompts(dataset, limit=limit, summary=summary)
+        prompts = with_samples(read_prompts(dataset, limit=limit, summary=summary, subset=subset,
+                                            split=split), samples)
         with Progress(SpinnerColumn(), TextColumn("[bold]reading {task.description}"),
                       TextColumn("{task.completed:,} prompts"), TimeElapsedColumn(),
                       console=err_console, transient=True) as bar:
-            task = bar.add_task(dataset.name, total=None)
+            task = bar.add_task(source.removeprefix(hub.HUB_PREFIX) if hub.is_named(dataset)
+                                else Path(dataset).name, total=None)
             added = loader.add_all(prompts, chunk=CHUNK,
                                    progress=lambda n: bar.update(task, advance=n))
         if summary.valid == 0:
             first = f"; first problem: {summary.bad[0].reason}" if summary.bad else ""
-            raise DatasetError(f"{dataset}: no valid prompt ({summary.rows:,} rows read, "
+            raise DatasetError(f"{source}: no valid prompt ({summary.rows:,} rows read, "
                                f"{len(summary.bad):,} malformed{first})")
     except BaseException as exc:
         # A dataset unreadable from some line on: the chunks read before it are stored, as the
@@ -156,7 +169,8 @@ def enqueue(dataset: Path, name: JobName, limit, gpus, nodes, bodies, output, fo
         raise
 
     get_settings().failpoint("enqueue.before_apply")
-    expect, changes = _final_write(existing, dispatching.is_set(), params, selection, dataset)
+    expect, changes = _final_write(existing, dispatching.is_set(), params, selection, source,
+                                   samples)
     wrong = book.update_job(name, expect, changes)
     if wrong:
         stored = f"its {added:,} new prompts are stored and counted" if added else \
@@ -211,7 +225,7 @@ def _output_or_fail(existing: jobs.Job | None, output: str | None, bodies_on_sto
 
 
 def _final_write(existing: jobs.Job | None, started: bool, params, selection,
-                 dataset: Path) -> tuple[dict, dict]:
+                 dataset: str, samples: int) -> tuple[dict, dict]:
     """What an enqueue writes into the job once its dataset is stored, and what it expects to
     find there (Ledger.update_job), against what it read before loading, seconds to minutes ago:
     a new job that already dispatches has had its settings since it was made (it must only still
@@ -221,12 +235,33 @@ def _final_write(existing: jobs.Job | None, started: bool, params, selection,
     job run again, count as the state read)."""
     if started:
         return {"status": list(lifecycle.STATES)}, {}
-    settings = {**jobs.config_fields(params, selection), "dataset": str(dataset)}
+    settings = {**jobs.config_fields(params, selection), "dataset": str(dataset),
+                "samples": str(samples)}
     if existing is None:
         return {"status": [lifecycle.LOADING]}, {**settings, "status": lifecycle.RUNNING}
     same = [lifecycle.RUNNING, lifecycle.DONE] \
         if existing.status in (lifecycle.RUNNING, lifecycle.DONE) else [existing.status]
-    return {**existing.as_read("params", "gpus", "nodes"), "status": same}, settings
+    return {**existing.as_read("params", "gpus", "nodes", "samples"), "status": same}, settings
+
+
+def _samples_or_fail(existing: jobs.Job | None, samples: int | None) -> int:
+    """The job's samples per prompt: a new job's --samples (1 by default); a resumed job's own,
+    or more (the samples it lacks are added). Fewer would leave rows no prompt asks for, and a
+    job of one sample has rows under the prompts' own ids, which no sample id continues."""
+    if existing is None:
+        return samples or 1
+    kept = existing.samples
+    if samples is None or samples == kept:
+        return kept
+    if kept == 1:
+        raise click.ClickException(f"job {existing.name} has one sample per prompt (its rows "
+                                   f"carry the prompts' own ids): --samples {samples} needs a new "
+                                   "job; nothing was stored")
+    if samples < kept:
+        raise click.ClickException(f"job {existing.name} has {kept} samples per prompt: a resume "
+                                   f"adds samples, never takes them back (--samples {samples}); "
+                                   "nothing was stored")
+    return samples
 
 
 def _print_enqueue_summary(r, job, summary, added, params, serving: list[str]) -> None:
@@ -242,6 +277,7 @@ def _print_enqueue_summary(r, job, summary, added, params, serving: list[str]) -
     for label, value in [
         ("rows read", summary.rows), ("valid prompts", summary.valid),
         ("skipped (malformed)", len(summary.bad)), ("duplicate ids in dataset", summary.duplicates),
+        *([("samples per prompt", job.samples)] if job.samples > 1 else []),
         ("new prompts queued", added), ("prompts in job", total), ("already done", done),
         ("failed", failed), ("remaining", max(0, total - done - failed)),
         ("gpus", f"{job.selection.describe()}: "

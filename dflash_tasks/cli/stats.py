@@ -40,7 +40,7 @@ def stats(name: JobName, as_json: bool, source: str | None, sample: int, plot: P
     r = redis_or_fail()
     job = job_or_fail(r, name)
     result = job_stats(r, output_storage(source, name, r), name, max_tokens=job.params.max_tokens,
-                       sample=sample)
+                       sample=sample, samples=job.samples)
     if plot:
         plot_lengths(counter_hist(r, name), job.params.max_tokens, plot)
     if as_json:
@@ -65,5 +65,11 @@ def stats(name: JobName, as_json: bool, source: str | None, sample: int, plot: P
     if s["rows"]:
         console.print(f"sample: {s['empty_answers']:,} empty answers, {s['empty_reasoning']:,} empty "
                       f"reasoning, {s['think_markers_in_content']:,} think markers in content")
+    per = result["rows_per_prompt"]
+    if per["samples"] > 1:
+        console.print(f"rows per prompt: {per['samples']} samples asked, {per['mean']:.2f} made on "
+                      f"average over {per['prompts']:,} prompts"
+                      + (f"; in the sample {s['repeated_samples']:,} rows repeat another sample of "
+                         "their prompt" if s["rows"] else ""))
     if plot:
         console.print(f"histogram written to {plot}")

@@ -123,6 +123,9 @@ class Job:
     # every command finds them from any directory ("" for a job made before jobs kept it: the
     # deployment's location then).
     output: str = ""
+    # Rows per prompt (enqueue --samples): each sample a prompt of its own, its id the prompt's
+    # and "#k" (ingest/prompts.py's sample_id); 1, the prompt's own id.
+    samples: int = 1
     # The config hash exactly as read: what a command's compare-and-set expects to find again.
     stored: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -141,7 +144,7 @@ def load(r: redis.Redis, name: JobName) -> Job | None:
                selection=GpuSelection(gpus=d.get("gpus", "all"),
                                       nodes=tuple(n for n in d.get("nodes", "").split(",") if n)),
                dataset=d.get("dataset", ""), created_at=float(d.get("created_at", 0)),
-               output=d.get("output", ""), stored=d)
+               output=d.get("output", ""), samples=int(d.get("samples") or 1), stored=d)
 
 
 def config_fields(params: GenerationParams, selection: GpuSelection) -> dict[str, str]:
@@ -151,13 +154,14 @@ def config_fields(params: GenerationParams, selection: GpuSelection) -> dict[str
 
 
 def save(r: redis.Redis, name: JobName, params: GenerationParams, *, selection: GpuSelection,
-         dataset: str, status: str = "running", output: str = "") -> Job:
+         dataset: str, status: str = "running", output: str = "", samples: int = 1) -> Job:
     """Create the job (unconditionally: a new job's first write, or a test's). Every later change
     is a compare-and-set against what its command read (Ledger.update_job, Ledger.transition)."""
     pipe = r.pipeline()
     pipe.hsetnx(name.config, "created_at", time.time())
     pipe.hset(name.config, mapping={**config_fields(params, selection), "dataset": dataset,
-                                 "status": status, **({"output": output} if output else {})})
+                                 "status": status, "samples": samples,
+                                 **({"output": output} if output else {})})
     pipe.sadd(JOBS, name)
     pipe.execute()
     job = load(r, name)

@@ -6,6 +6,12 @@ Files
     1-based physical line, and blank lines are skipped.  Parquet: ``.parquet``, read in record
     batches; ``Prompt.line`` is the 1-based row number.  Nothing reads the whole file at once.
 
+Datasets by name
+    ``hf:ORG/NAME`` (streamed from the Hugging Face hub), a directory written by
+    ``save_to_disk``, or a directory in the hub's own layout, with a subset and a split
+    (train by default): read through the ``datasets`` library (hub.py), rows numbered as
+    Parquet's, the same normalisation and ids as a file's.
+
 Rows
     The first non-null of these fields is used:
 
@@ -36,6 +42,11 @@ Ids
     answer) get the same id.  ``content_id(messages)`` computes it.  ``read_prompts`` yields a
     given id once per read, so rows with identical content and no id are deduplicated.
 
+Samples
+    With ``samples`` > 1 (``enqueue --samples N``) a prompt is N prompts, each its own row, its id
+    the prompt's followed by ``#`` and the sample's index (``q17#0`` .. ``q17#3``):
+    ``with_samples``, ``sample_id`` and ``prompt_of``.
+
 Errors
     A malformed row becomes a ``BadRow`` whose reason names it ("line 17: unknown role
     'narrator' in turn 3"; Parquet rows say "row 17: ...").  ``DatasetError`` is raised when the
@@ -57,6 +68,8 @@ from typing import Any
 
 import orjson
 import zstandard
+
+from dflash_tasks.ingest import hub
 
 ROLES = {
     "user": "user", "human": "user",
@@ -104,15 +117,23 @@ class ReadSummary:
     duplicates: int = 0  # valid rows whose id was already seen in this read (not yielded)
 
 
-def iter_rows(path: str | Path) -> Iterator[Prompt | BadRow]:
-    """Every non-blank row of the dataset at `path`, in file order, as a Prompt or a BadRow."""
-    path = Path(path)
-    records, unit = _open_records(path)
+def iter_rows(path: str | Path, *, subset: str | None = None,
+              split: str | None = None) -> Iterator[Prompt | BadRow]:
+    """Every non-blank row of the dataset at `path` (a file, or a dataset by name: hub.py, with
+    its `subset` and `split`), in order, as a Prompt or a BadRow."""
+    if hub.is_named(path):
+        records, unit = _named_records(path, subset, split), "row"
+    elif subset is not None or split is not None:
+        raise DatasetError(f"{path}: --subset and --split are for a dataset by name (hf:ORG/NAME)"
+                           " or a dataset directory, not a file")
+    else:
+        records, unit = _open_records(Path(path))
     return (_parse_record(number, raw, unit) for number, raw in records)
 
 
 def read_prompts(path: str | Path, limit: int | None = None,
-                 summary: ReadSummary | None = None) -> Iterator[Prompt]:
+                 summary: ReadSummary | None = None, *, subset: str | None = None,
+                 split: str | None = None) -> Iterator[Prompt]:
     """Valid prompts with ids not seen before in this read, at most `limit` of them.
 
     Bad rows and duplicates are counted in `summary` (filled in as the iterator is consumed)
@@ -120,7 +141,7 @@ def read_prompts(path: str | Path, limit: int | None = None,
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    rows = iter_rows(path)
+    rows = iter_rows(path, subset=subset, split=split)
     return _unique_prompts(rows, limit, summary if summary is not None else ReadSummary())
 
 
@@ -149,6 +170,23 @@ def _unique_prompts(rows: Iterator[Prompt | BadRow], limit: int | None,
 
 
 # --- files -> (number, raw record) ---------------------------------------------------------
+
+def _named_records(source: str | Path, subset: str | None,
+                   split: str | None) -> Iterator[tuple[int, dict]]:
+    """hub.records, its errors as DatasetError: opened now, read lazily."""
+    try:
+        records = hub.records(source, subset, split)
+    except hub.HubError as exc:
+        raise DatasetError(str(exc)) from None
+
+    def read() -> Iterator[tuple[int, dict]]:
+        try:
+            yield from records
+        except hub.HubError as exc:
+            raise DatasetError(str(exc)) from None
+
+    return read()
+
 
 def _open_records(path: Path) -> tuple[Iterator[tuple[int, Any]], str]:
     """Check the path now; return the lazy records and the unit ("line"/"row") they count in."""
@@ -339,6 +377,26 @@ def _row_id(row: dict, messages: list[dict]) -> str:
     if value == "":
         raise _RowError("'id' is empty")
     return str(value)
+
+
+def sample_id(prompt_id: str, sample: int, samples: int) -> str:
+    """The id of a prompt's sample: the prompt's own when it has one, else "<id>#<sample>"."""
+    return prompt_id if samples == 1 else f"{prompt_id}#{sample}"
+
+
+def prompt_of(row_id: str, samples: int) -> str:
+    """The prompt a row's id is a sample of (sample_id's inverse)."""
+    return row_id if samples == 1 else row_id.rpartition("#")[0]
+
+
+def with_samples(prompts: Iterator[Prompt], samples: int) -> Iterator[Prompt]:
+    """Each prompt as its `samples` samples, in order, sharing its messages."""
+    if samples == 1:
+        yield from prompts
+        return
+    for p in prompts:
+        for k in range(samples):
+            yield Prompt(id=sample_id(p.id, k, samples), messages=p.messages, line=p.line)
 
 
 def content_id(messages: list[dict] | tuple[dict, ...]) -> str:

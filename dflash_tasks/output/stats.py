@@ -15,6 +15,7 @@ from typing import Iterable
 import redis
 
 from dflash_tasks.core.keys import GpuName, JobName
+from dflash_tasks.ingest.prompts import prompt_of
 from dflash_tasks.ledger import HIST_BUCKET_TOKENS
 from dflash_tasks.ledger.histogram import bucket_value, length_percentile, rank
 from dflash_tasks.output.batches import iter_newest_rows
@@ -82,15 +83,31 @@ def _pct(part: int, whole: int) -> float:
     return round(100 * part / whole, 2) if whole else 0.0
 
 
+def repeated_samples(rows: list[dict], samples: int) -> int:
+    """Rows whose output (reasoning and answer) another row of the same prompt also has: samples
+    that did not sample (a temperature of 0, a seed shared), 0 when every sample differs."""
+    seen: set[tuple[str, str, str]] = set()
+    repeated = 0
+    for row in rows:
+        answer = row["conversations"][-1]
+        key = (prompt_of(row["id"], samples), answer.get("reasoning_content") or "",
+               answer.get("content") or "")
+        repeated += key in seen
+        seen.add(key)
+    return repeated
+
+
 def job_stats(r: redis.Redis, storage: Storage, job: JobName, *, max_tokens: int | None,
-              sample: int = 2000) -> dict:
+              sample: int = 2000, samples: int = 1) -> dict:
     raw = {k.decode(): int(v) for k, v in r.hgetall(job.counters).items()}
     completed = raw.get("completed", 0)
+    prompts = raw.get("total", 0) // samples
     finish = {k.split(":", 1)[1]: v for k, v in raw.items() if k.startswith("finish:")}
     hist = {int(k.split(":", 1)[1]): v for k, v in raw.items() if k.startswith("hist:")}
     gpus = GpuName.among(k.split(":")[1] for k in raw if k.startswith("gpu:"))
 
-    facts = [row_facts(row) for row in sample_rows(r, storage, job, sample)] if sample else []
+    rows = sample_rows(r, storage, job, sample) if sample else []
+    facts = [row_facts(row) for row in rows]
     truncated = [f for f in facts if f["finish_reason"] == "length"]
     return {
         "job": job,
@@ -99,6 +116,9 @@ def job_stats(r: redis.Redis, storage: Storage, job: JobName, *, max_tokens: int
         "output_tokens": histogram_percentiles(hist, max_tokens),
         "finish_reasons": finish,
         "truncated_pct": _pct(finish.get("length", 0), completed),
+        # enqueue --samples: rows a prompt gives, and how many it has so far on average
+        "rows_per_prompt": {"samples": samples, "prompts": prompts,
+                            "mean": round(completed / prompts, 2) if prompts else 0.0},
         "per_gpu": {g: {"completed": raw.get(f"gpu:{g}:completed", 0),
                                 "output_tokens": raw.get(f"gpu:{g}:output_tokens", 0)} for g in gpus},
         "sample": {
@@ -113,6 +133,7 @@ def job_stats(r: redis.Redis, storage: Storage, job: JobName, *, max_tokens: int
             "empty_answers": sum(f["empty_answer"] for f in facts),
             "empty_reasoning": sum(f["empty_reasoning"] for f in facts),
             "think_markers_in_content": sum(f["think_marker_in_content"] for f in facts),
+            "repeated_samples": repeated_samples(rows, samples) if samples > 1 else 0,
             "per_gpu": {str(g): summary(f["output_tokens"] for f in facts if f["gpu"] == g)
                         for g in GpuName.among(f["gpu"] for f in facts if f["gpu"])},
         },
