@@ -18,6 +18,7 @@ from failure_support import check_books, counters, prompts, sim_hold, sim_releas
 
 from dflash_dev.local import wait_until
 from dflash_dev.sim import tokens
+from dflash_tasks.core.jobs import request_seed
 
 NATURAL = 24           # every output's natural length (--fixed-tokens)
 BYTES = ("--tokenizer", "bytes", "--fixed-tokens", str(NATURAL))
@@ -134,6 +135,8 @@ def test_rounds_keep_the_parameters_they_started_with_and_sample_alike(cluster, 
         assert {tuple(sorted(r["sampling"].items())) for r in requests} == {tuple(sorted({
             "temperature": meta["temperature"], "top_p": meta["top_p"], "top_k": meta["top_k"],
             "min_p": meta["min_p"], "repetition_penalty": meta["repetition_penalty"]}.items()))}
+        # and with the prompt's own seed, chat's `seed` then /generate's `sampling_seed`
+        assert {r["seed"] for r in requests} == {request_seed("p", row["id"])}, requests
     assert counters(c, "p")["rounds"] >= len(done)
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import httpx
 from conftest import Cluster, write_jsonl
+
+from dflash_tasks.core.jobs import request_seed
 
 SIM = ("--sampling", "random", "--slots", "32", "--decode-tps", "6000", "--median-tokens", "120",
        "--p-over-4096", "0.001")
@@ -44,6 +47,11 @@ def test_four_samples_of_500_prompts_are_2000_distinct_rows(tmp_path, redis_url)
     assert all(len(outputs) == 4 for outputs in by_prompt.values()), \
         [p for p, o in by_prompt.items() if len(o) < 4][:5]
     assert len({output(r) for r in rows}) == 2000
+    # Each sample sent its own seed (SGLang reads it under --enable-deterministic-inference only,
+    # where a request without one gets 42, the same for every sample).
+    seeds = {s["rid"].split(":")[2]: s["seed"] for url in c.server_urls
+             for s in httpx.get(f"{url}/sim/sampling", timeout=30).json() if s["endpoint"] == "chat"}
+    assert seeds == {i: request_seed("many", i) for i in ids} and len(set(seeds.values())) == 2000
     stats = json.loads(c.manage("stats", "--job", "many", "--json").stdout)
     assert stats["rows_per_prompt"] == {"samples": 4, "prompts": 500, "mean": 4.0}
     assert stats["sample"]["repeated_samples"] == 0

@@ -644,7 +644,8 @@ class SimServer:
         only, as SGLang's `--sampling-defaults model`) the model's defaults, then SGLang's."""
         effective = {**SGLANG_SAMPLING_DEFAULTS, **(defaults or {}),
                      **{k: given[k] for k in SGLANG_SAMPLING_DEFAULTS if given.get(k) is not None}}
-        self.sampling_seen.append({"endpoint": endpoint, "rid": rid, "sampling": effective})
+        self.sampling_seen.append({"endpoint": endpoint, "rid": rid, "sampling": effective,
+                                   "seed": given.get("seed" if endpoint == "chat" else "sampling_seed")})
 
     async def sim_sampling(self, request: web.Request) -> web.Response:
         return _json(list(self.sampling_seen))

@@ -2,6 +2,7 @@
 change at the next prompt it takes."""
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -67,6 +68,17 @@ class GenerationParams:
     def replace(self, **changes) -> "GenerationParams":
         return GenerationParams(**{**asdict(self), **{k: v for k, v in changes.items() if v is not None}})
 
+
+
+def request_seed(job: str, prompt_id: str) -> int:
+    """The sampling seed every request of a prompt sends (chat's `seed`, /generate's
+    `sampling_seed`): a hash of the job and the prompt's id, so each sample of a prompt has its
+    own, and every part of a continued generation the same. SGLang reads it only under
+    --enable-deterministic-inference, where a request without one gets 42: every sample of a
+    prompt would be the same row. Otherwise each request draws from the sampler's own random
+    state and the seed is ignored (docs/SGLANG_0.5.23.md)."""
+    digest = hashlib.blake2b(f"{job}\0{prompt_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # in SGLang's range, [-2**63, 2**63 - 1]
 
 @dataclass(frozen=True, slots=True)
 class GpuSelection:

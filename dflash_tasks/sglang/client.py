@@ -205,9 +205,11 @@ class SGLangClient:
     # -- generation -----------------------------------------------------------------------------
 
     def chat(self, messages: list[dict], *, max_tokens: int, sampling: dict | None = None,
-             enable_thinking: bool = True, rid: str | None = None) -> Completion:
+             enable_thinking: bool = True, rid: str | None = None,
+             seed: int | None = None) -> Completion:
         """One chat completion. `sampling`: GenerationParams.sampling(), sent whole so that the
-        server fills nothing in from the model's generation_config.json (see generate)."""
+        server fills nothing in from the model's generation_config.json (see generate); `seed`:
+        jobs.request_seed."""
         body: dict[str, Any] = {
             "model": self.served_model(),
             "messages": messages,
@@ -218,6 +220,8 @@ class SGLangClient:
             "stream": False,
         }
         body.update(sampling or {})
+        if seed is not None:
+            body["seed"] = seed
         if rid is not None:
             body["rid"] = rid
         started = time.monotonic()
@@ -241,11 +245,12 @@ class SGLangClient:
                                url=self.base_url)
 
     def generate(self, input_ids: list[int], *, max_new_tokens: int, sampling: dict | None = None,
-                 rid: str | None = None) -> Generation:
+                 rid: str | None = None, seed: int | None = None) -> Generation:
         """Native /generate from token ids: how a generation goes on from its ids (the prefix
         cache serves the ids already known). Unlike the chat endpoint it takes nothing from the
         model's generation_config.json, so `sampling` must be the chat request's, whole."""
-        params: dict[str, Any] = {**(sampling or {}), "max_new_tokens": max_new_tokens}
+        params: dict[str, Any] = {**(sampling or {}), "max_new_tokens": max_new_tokens,
+                                  **({"sampling_seed": seed} if seed is not None else {})}
         body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": params, "stream": False}
         if rid is not None:
             body["rid"] = rid

@@ -150,14 +150,16 @@ class Ongoing:
         its parts (a round or a move is not an attempt)."""
         return self.retried + 1
 
-    def request(self, client: SGLangClient, *, until: int, rid: str) -> Generation:
-        """One more request, through /generate, up to `until` tokens in all."""
+    def request(self, client: SGLangClient, *, until: int, rid: str,
+                seed: int | None = None) -> Generation:
+        """One more request, through /generate, up to `until` tokens in all, with the prompt's
+        seed (jobs.request_seed), as every part before it."""
         budget = until - self.generated
         if budget <= 0:
             raise ValueError(f"a cap of {until} leaves nothing to generate after "
                              f"{self.generated} tokens")
         return client.generate(self.prompt_ids + self.response_ids, max_new_tokens=budget,
-                               sampling=self.params.sampling(), rid=rid)
+                               sampling=self.params.sampling(), rid=rid, seed=seed)
 
     def went_on(self, part: Part, gpu: str, attempts: int) -> "Ongoing":
         """This generation with `part` added, made on `gpu` in `attempts` requests (the last the

@@ -173,11 +173,12 @@ def _generate(self, job: JobName, prompt_id: str, gpu: GpuName, tries: int) -> d
                            made=None)
         cap = _request_cap(client, server, state, ongoing, params)
         with shutdown.tracked(job, prompt_id, rid, lambda: client.abort(rid)):
+            seed = jobs.request_seed(job, prompt_id)
             if ongoing is not None:
-                answer = ongoing.request(client, until=cap, rid=rid)
+                answer = ongoing.request(client, until=cap, rid=rid, seed=seed)
             else:
                 answer = client.chat(messages, max_tokens=cap, sampling=params.sampling(),
-                                     enable_thinking=params.enable_thinking, rid=rid)
+                                     enable_thinking=params.enable_thinking, rid=rid, seed=seed)
         # Cut at the end of its round, it goes on in the next. So does one whose prompt and the
         # job's cap overflow the context: the next request asks for the whole cap, which the
         # server refuses in its own words, as it would have the first without rounds.
