@@ -66,7 +66,7 @@ def test_raising_max_tokens_mid_run_reaches_every_prompt_not_yet_sent(cluster, t
              "--max-output-tokens", "4096")
     wait_until(lambda: c.status("raise")["completed"] >= 100, timeout=120, what="100 completions")
     out = c.manage("set", "--job", "raise", "--max-output-tokens", "8192").stdout
-    assert "max_tokens       4096 -> 8192  (changed)" in out
+    assert "max_tokens         4096 -> 8192  (changed)" in out
     c.wait_done("raise")
 
     rows_out = c.rows("raise")

@@ -118,11 +118,13 @@ def set_params(name: JobName, **options) -> None:
     if wrong:
         raise click.ClickException(f"{changed_meanwhile(name, job.stored, wrong)}; nothing was changed: run "
                                    "the command again")
-    for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                  "enable_thinking"):
+    shown = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+             "enable_thinking")
+    width = max(map(len, shown))
+    for field in shown:
         before, after = getattr(old, field), getattr(new, field)
         mark = "  (changed)" if before != after else ""
-        console.print(f"{field:16} {before} -> {after}{mark}")
+        console.print(f"{field:{width}} {before} -> {after}{mark}")
 
 
 @click.command()
