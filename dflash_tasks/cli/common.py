@@ -108,6 +108,20 @@ def params_or_fail(name, base, *, existing: bool, max_output_tokens=None, temper
         raise click.UsageError(str(exc)) from None
 
 
+def storage_location(ctx, param, value):
+    """A click callback for an option naming a storage location (--output, --from): an
+    s3://bucket/prefix URI or a local path that cannot be mistaken for one (settings.py's
+    check_location), checked before any work."""
+    if value is None:
+        return None
+    from dflash_tasks.core.settings import check_location
+
+    try:
+        return check_location(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def file_to_write(suffix: str):
     """A click callback for an option naming a file the command writes (`suffix`, e.g. ".png"):
     checked before any work, so a typo in the path costs nothing and leaves nothing behind."""

@@ -16,6 +16,7 @@ from dflash_tasks.cli.common import (
     output_storage,
     rule_options,
     shipped_progress,
+    storage_location,
 )
 from dflash_tasks.core.keys import JobName
 
@@ -39,7 +40,7 @@ def training_options(f):
 @click.option("--job", "name", type=JOB, required=True, help="The job whose dataset to download.")
 @click.option("--to", "dest", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Destination directory (created; batches already there and intact are kept).")
-@click.option("--from", "source", metavar="S3_URI_OR_DIR",
+@click.option("--from", "source", metavar="S3_URI_OR_DIR", callback=storage_location,
               help="Where the batches are.", show_default="the location the job keeps")
 @click.option("--allow-partial", is_flag=True,
               help="Succeed even when fewer rows are shipped than the job has completed.")

@@ -22,6 +22,7 @@ from dflash_tasks.cli.common import (
     job_or_fail,
     params_or_fail,
     redis_or_fail,
+    storage_location,
 )
 from dflash_tasks.core import jobs, lifecycle
 from dflash_tasks.core.keys import JobName
@@ -55,7 +56,7 @@ from dflash_tasks.core.settings import get_settings
               help="Where the prompts' texts wait: in Redis (about 750 B a prompt), or in chunks "
                    "on the output storage (S3, or an output directory every node shares) with "
                    "Redis holding about 100 B a prompt: for millions of prompts.")
-@click.option("--output", metavar="DIR|s3://BUCKET/PREFIX",
+@click.option("--output", metavar="DIR|s3://BUCKET/PREFIX", callback=storage_location,
               help="Where the job's batches go, kept by the job: every command finds them there "
                    "from any directory.",
               show_default="DFLASH_S3_URI, else DFLASH_OUTPUT_DIR made absolute; a resumed job "

@@ -14,6 +14,7 @@ from dflash_tasks.cli.common import (
     job_or_fail,
     output_storage,
     redis_or_fail,
+    storage_location,
 )
 from dflash_tasks.core.keys import JobName
 
@@ -27,7 +28,8 @@ def _row(t: Table, label: str, s: dict) -> None:
 @job_option
 @click.option("--json", "as_json", is_flag=True, help="Everything, machine-readable.")
 @click.option("--from", "source", metavar="DIR|s3://BUCKET/PREFIX",
-              help="Where the job's batches are.", show_default="the location the job keeps")
+              callback=storage_location, help="Where the job's batches are.",
+              show_default="the location the job keeps")
 @click.option("--sample", type=click.IntRange(min=0), default=2000, show_default=True,
               help="Newest rows read for what counters cannot tell (0: counters only).")
 @click.option("--plot", metavar="FILE.png", callback=file_to_write(".png"),

@@ -16,6 +16,7 @@ from dflash_tasks.cli.common import (
     job_storage_from,
     rule_options,
     shipped_progress,
+    storage_location,
 )
 from dflash_tasks.core.keys import JobName
 
@@ -91,7 +92,7 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
 
 @click.command()
 @click.option("--job", "name", type=JOB, required=True, help="The job whose shipped rows to check.")
-@click.option("--from", "source", metavar="S3_URI_OR_DIR",
+@click.option("--from", "source", metavar="S3_URI_OR_DIR", callback=storage_location,
               help="Where the batches are.", show_default="the location the job keeps")
 @rule_options
 @click.option("--sample", type=click.IntRange(min=0), default=0, show_default=True,

@@ -211,6 +211,15 @@ class Settings(BaseSettings):
             parse_s3_uri(uri)
         return uri or None
 
+    @field_validator("output_dir", mode="before")
+    @classmethod
+    def _output_dir_is_a_directory(cls, value):
+        if isinstance(value, str):
+            if check_location(value).startswith("s3://"):
+                raise ValueError(f"{value!r} is an S3 URI: set DFLASH_S3_URI to it, and leave "
+                                 "DFLASH_OUTPUT_DIR a directory")
+        return value
+
     @field_validator("node")
     @classmethod
     def _node_name(cls, value: str) -> str:
@@ -315,6 +324,27 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
         raise ValueError(f"{uri!r}: {parts.netloc!r} is not a bucket name (3 to 63 lower-case "
                          "letters, digits, '.' and '-')")
     return parts.netloc, parts.path.strip("/")
+
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+_S3_TYPO = re.compile(r"^s3[an]?(:/{0,1}(?!/)|:?//)", re.IGNORECASE)
+
+
+def check_location(where: str) -> str:
+    """A storage location as given (--output, --from, DFLASH_OUTPUT_DIR): an s3://bucket/prefix
+    URI, or a local path that cannot be mistaken for one. `s3:/b/p`, `s3//b/p`, `S3://b/p` or
+    `s3a://b/p` would otherwise name a local directory and keep the job's batches there for
+    good: ValueError with the URI meant; another scheme (gs://, file:) is refused too."""
+    if where.startswith("s3://"):
+        parse_s3_uri(where)
+        return where
+    if _S3_TYPO.match(where):
+        meant = "s3://" + _S3_TYPO.sub("", where).lstrip("/")
+        raise ValueError(f"{where!r} looks like a mistyped S3 URI: write {meant}")
+    if scheme := _SCHEME.match(where):
+        raise ValueError(f"{where!r}: {scheme.group(1)}: is not a storage this project writes "
+                         "(a directory, or s3://bucket/prefix)")
+    return where
 
 
 def sentinel_nodes(url: str) -> tuple[list[tuple[str, int]], int] | None:

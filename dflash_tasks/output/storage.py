@@ -19,7 +19,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from dflash_tasks.core.settings import Settings, parse_s3_uri, redact_url
+from dflash_tasks.core.settings import Settings, check_location, parse_s3_uri, redact_url
 
 if TYPE_CHECKING:
     from dflash_tasks.core.jobs import Job
@@ -431,6 +431,10 @@ def check_output(where: str, settings: Settings, *, named: str) -> str:
     """A new job's output location as the job keeps it: an s3:// URI whose bucket takes this
     node's credentials, or a directory made absolute that this process can create or write.
     Raises ValueError naming the setting (`named`) and the problem; creates nothing."""
+    try:
+        check_location(where)
+    except ValueError as exc:
+        raise ValueError(f"{named}: {exc}") from None
     if where.startswith("s3://"):
         parse_s3_uri(where)  # ValueError names what is wrong with the URI
         problem = _s3_for(where, settings).check(bucket=True, named=named)
