@@ -69,10 +69,10 @@ class LazyGroup(click.Group):
 def cli() -> None:
     """dflash-tasks: generate DFlash drafter training data with SGLang servers and Celery.
 
-    \b
     Every command reads its settings from DFLASH_* variables. DFLASH_REDIS_URL points at the
     Redis that holds the jobs (default redis://127.0.0.1:6379/0: whatever Redis runs there);
     DFLASH_OUTPUT_DIR or DFLASH_S3_URI is where a new job's batches go.
+
     The pieces start in this order: Redis, the SGLang servers, one `worker --gpu I` per GPU
     (workers/launch_node.py starts a node's), `beat` (seals and ships batches), then
     `enqueue`. `make local` starts them all on this machine (README).

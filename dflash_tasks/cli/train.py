@@ -79,8 +79,10 @@ def _check_job(r, name: JobName, waits: bool) -> None:
               help="The command line itself: accepted only when it is one of those templates "
                    "(the run then names it).")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="TOML or JSON with [gate], [reference] and [command] sections "
-                   "(docs/TRAINING.md).")
+              help="TOML or JSON with the sections [rules] (which rows), [gate] (validate's "
+                   "limits), [reference] (the reference trainer), [smoke] (its overfit gate), "
+                   "[eval] (tau on held-out prompts) and [command] (the external trainer's run): "
+                   "docs/TRAINING.md.")
 @click.option("--name", "run_name", help="The run's name.", show_default="JOB-train-N")
 @click.option("--smoke", is_flag=True,
               help="Queue nothing: run the overfit gate here, now, on a few of the job's "
