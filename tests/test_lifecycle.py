@@ -74,7 +74,9 @@ def test_cancel_keeps_every_prompt_and_resume_finishes_them(c, tmp_path):
     snap = c.status(JOB)
     assert snap["status"] == "cancelled" and snap["total"] == 50
     never = snap["pending"]
-    assert never > 0 and f"{never:,} prompts were never generated" in out.stdout
+    assert never > 0 and f"{never:,} never started" in out.stdout, out.stdout
+    assert f"{snap['total'] - snap['completed'] - snap['failed']:,} prompts have no row" in out.stdout
+    assert snap["eta_hours"] is None
     assert snap["pending"] + snap["in_flight"] + snap["completed"] + snap["failed"] == 50
     assert "is cancelled" in refused(c, "enqueue", "--dataset", str(data), "--job", JOB)
     c.manage("resume", "--job", JOB)

@@ -87,11 +87,18 @@ def cancel(name: JobName) -> None:
     from dflash_tasks import dispatch
     from dflash_tasks.ledger import shared_ledger
 
+    from dflash_tasks.output.progress import snapshot
+
     r = redis_or_fail()
     change_state(r, "cancel", job_or_fail(r, name))
-    never = dispatch.withdraw_cancelled(shared_ledger(), name)
-    console.print(f"job {name}: cancelled; {never:,} prompts were never generated "
-                  f"(`manage.py resume --job {name}` generates them, `delete` removes the job)")
+    dispatch.withdraw_cancelled(shared_ledger(), name)
+    snap = snapshot(r, name, get_settings())
+    running = snap["in_flight"] + snap["retry_waiting"]
+    console.print(f"job {name}: cancelled; {snap['remaining']:,} prompts have no row: "
+                  f"{snap['pending']:,} never started"
+                  + (f", {running:,} already sent finish and are kept" if running else "")
+                  + f" (`manage.py resume --job {name}` generates the rest, `delete` removes "
+                    "the job)")
 
 
 @click.command("set")

@@ -336,7 +336,9 @@ def render(reads: Reads, s: Settings) -> dict:
         "output_tokens_per_sec": round(per_second(reads, "t"), 1),
         "input_throughput": round(per_second(reads, "i"), 1),
         "rate_window_s": s.rate_window_s,
-        "eta_hours": round(left / rate / 3600, 3) if rate > 0 else None,
+        # Only a running job ends: a paused, cancelled or done one has no time left to show.
+        "eta_hours": round(left / rate / 3600, 3) if rate > 0 and job.status == "running"
+        else None,
         "elapsed_hours": round((now - job.created_at) / 3600, 4),
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
