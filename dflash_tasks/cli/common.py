@@ -122,6 +122,21 @@ def storage_location(ctx, param, value):
         raise click.BadParameter(str(exc)) from None
 
 
+def directory_to_write(ctx, param, value):
+    """A click callback for an option naming a directory the command creates or fills (export
+    --to): checked before any work, so a path under a file or a directory this user cannot write
+    is said at once, with nothing done."""
+    if value is None:
+        return None
+    path = Path(value).expanduser().resolve()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise click.BadParameter(f"{value}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"{value}: {existing} is not writable by this user")
+    return path
+
+
 def file_to_write(suffix: str):
     """A click callback for an option naming a file the command writes (`suffix`, e.g. ".png"):
     checked before any work, so a typo in the path costs nothing and leaves nothing behind."""

@@ -11,6 +11,7 @@ from dflash_tasks.cli.common import (
     JOB,
     chat_template_option,
     console,
+    directory_to_write,
     err_console,
     job_storage_from,
     output_storage,
@@ -38,7 +39,7 @@ def training_options(f):
 
 @click.command()
 @click.option("--job", "name", type=JOB, required=True, help="The job whose dataset to download.")
-@click.option("--to", "dest", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--to", "dest", required=True, callback=directory_to_write, metavar="DIR",
               help="Destination directory (created; batches already there and intact are kept).")
 @click.option("--from", "source", metavar="S3_URI_OR_DIR", callback=storage_location,
               help="Where the batches are.", show_default="the location the job keeps")

@@ -149,13 +149,22 @@ def _smoke_now(job: JobName, spec: dict, as_json: bool) -> None:
         if not as_json:
             console.print(line, highlight=False, markup=False)
 
+    config = TrainConfig.model_validate(spec["reference"])
+    target = Path(config.target_model).expanduser()
+    if config.target_model.startswith(("/", ".", "~")) and not target.is_dir():
+        # a path, not a hub id: transformers would take it for a repo id and say so in a traceback
+        raise click.BadParameter(f"[reference] target_model = {config.target_model}: no such "
+                                 "directory on this machine (the smoke gate runs here)",
+                                 param_hint="--config")
     with tempfile.TemporaryDirectory(prefix="dflash-smoke-") as work:
         try:
-            verdict = smoke_gate(TrainConfig.model_validate(spec["reference"]),
-                                 SmokeConfig.model_validate(spec.get("smoke") or {}), job=job,
-                                 source=output_storage(None, job), work_dir=work, log=say)
+            verdict = smoke_gate(config, SmokeConfig.model_validate(spec.get("smoke") or {}),
+                                 job=job, source=output_storage(None, job), work_dir=work, log=say)
         except (SmokeFailed, NoManifest) as exc:
             raise click.ClickException(f"smoke gate: {exc}") from None
+        except OSError as exc:  # a model or tokenizer that cannot be read (transformers' words)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise click.ClickException(f"smoke gate: {config.target_model}: {first}") from None
     if as_json:
         click.echo(json.dumps(verdict, indent=1))
     if not verdict["passed"]:

@@ -1,0 +1,82 @@
+"""Bad input to any command (issue 42, item 4): each exits non-zero with a message that names
+the problem, prints no traceback, and changes nothing, in Redis or in the output directory.
+The commands run as an operator types them (manage.py, a subprocess) against a deployment that
+holds one job; nothing else runs, so any change is the command's."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from conftest import Cluster, write_jsonl
+
+JOB = "kept"
+
+
+def redis_state(c) -> dict[bytes, str]:
+    return {key: hashlib.sha1(c.r.dump(key) or b"").hexdigest() for key in c.r.keys("*")}
+
+
+def files_under(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")} if root.exists() else set()
+
+
+@pytest.fixture
+def deployment(tmp_path, redis_url):
+    tmp = tmp_path
+    c = Cluster(tmp, redis_url)
+    data = write_jsonl(tmp / "d.jsonl", [{"id": f"p{i}", "prompt": f"q {i}"} for i in range(5)])
+    c.manage("enqueue", "--dataset", str(data), "--job", JOB)
+    (tmp / "a-file").write_text("not a directory")
+    (tmp / "train.toml").write_text('[reference]\ntarget_model = "/no/such/model"\n')
+    return c, tmp, data
+
+
+def cases(tmp: Path, data: Path) -> list[tuple[tuple[str, ...], str]]:
+    """(arguments, a word the message must say)."""
+    under_file = str(tmp / "a-file" / "sub")
+    return [
+        (("status", "--job", "nope"), "nope"),
+        (("stats", "--job", "nope"), "nope"),
+        (("stats", "--job", JOB, "--plot", under_file + ".png"), "a-file"),
+        (("stats", "--job", JOB, "--from", "s3:/bucket/p"), "s3://bucket/p"),
+        (("failed", "--job", "nope"), "nope"),
+        (("validate", "--job", "nope"), "nope"),
+        (("export", "--job", JOB, "--to", under_file), "is a file"),
+        (("export", "--job", JOB, "--to", str(tmp / "x"), "--from", "gs://b/p"), "gs:"),
+        (("enqueue", "--dataset", str(tmp / "missing.jsonl"), "--job", "new"), "missing.jsonl"),
+        (("enqueue", "--dataset", under_file + ".jsonl", "--job", "new"), "a-file"),
+        (("enqueue", "--dataset", str(data), "--job", "new", "--max-output-tokens", "-5"), "-5"),
+        (("enqueue", "--dataset", str(data), "--job", "new", "--temperature", "hot"), "hot"),
+        (("enqueue", "--dataset", str(data), "--job", "new", "--output", "s3//b/p"), "s3://b/p"),
+        (("enqueue", "--dataset", str(data), "--job", "bad name!"), "bad name!"),
+        (("enqueue", "--dataset", str(data), "--job", "new", "--samples", "0"), "--samples"),
+        (("enqueue", "--dataset", str(data), "--job", "new", "--split", "test"), "--split"),
+        (("set", "--job", "nope", "--temperature", "0.5"), "nope"),
+        (("pause", "--job", "nope"), "nope"),
+        (("resume", "--job", "nope"), "nope"),
+        (("cancel", "--job", "nope", "--yes"), "nope"),
+        (("delete", "--job", "nope", "--yes"), "nope"),
+        (("retry-failed", "--job", "nope"), "nope"),
+        (("regenerate", "--job", "nope", "--finish-reason", "length"), "nope"),
+        (("train", "--job", JOB, "--smoke", "--config", str(tmp / "train.toml")), "/no/such/model"),
+        (("train-status", "--run", "nope"), "nope"),
+        (("train-cancel", "--run", "nope"), "nope"),
+        (("nosuchcommand",), "nosuchcommand"),
+    ]
+
+
+def test_bad_input_is_named_and_changes_nothing(deployment):
+    c, tmp, data = deployment
+    redis_before, files_before = redis_state(c), files_under(c.output_dir)
+    failures = []
+    for args, says in cases(tmp, data):
+        result = c.manage(*args, check=False)
+        said = result.stdout + result.stderr
+        if result.returncode == 0 or "Traceback" in said or says not in said:
+            failures.append(f"manage.py {' '.join(args)} -> {result.returncode}:\n{said[-1500:]}")
+        if redis_state(c) != redis_before or files_under(c.output_dir) != files_before:
+            failures.append(f"manage.py {' '.join(args)} changed the deployment")
+            redis_before, files_before = redis_state(c), files_under(c.output_dir)
+    assert not failures, "\n\n".join(failures)
+    assert not (tmp / "x").exists()
