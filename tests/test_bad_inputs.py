@@ -80,3 +80,14 @@ def test_bad_input_is_named_and_changes_nothing(deployment):
             redis_before, files_before = redis_state(c), files_under(c.output_dir)
     assert not failures, "\n\n".join(failures)
     assert not (tmp / "x").exists()
+
+
+def test_enqueue_names_every_duplicate_id_it_skips(tmp_path, redis_url):
+    c = Cluster(tmp_path, redis_url)
+    data = write_jsonl(tmp_path / "d.jsonl", [
+        {"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, {"id": "a", "prompt": "z"},
+        {"id": "[bold]c", "prompt": "z"}, {"id": "[bold]c", "prompt": "w"}])
+    out = c.manage("enqueue", "--dataset", str(data), "--job", "dups")
+    assert "line 3: duplicate id 'a' (the prompt of line 1 is kept)" in out.stderr, out.stderr
+    assert "line 5: duplicate id '[bold]c' (the prompt of line 4 is kept)" in out.stderr
+    assert c.status("dups")["total"] == 3

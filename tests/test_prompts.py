@@ -266,6 +266,10 @@ def test_duplicates_counted_and_yielded_once(tmp_path):
     prompts = list(read_prompts(path, summary=summary))
     assert [p.line for p in prompts] == [1, 3, 5]
     assert (summary.rows, summary.valid, summary.duplicates, summary.bad) == (6, 6, 3, [])
+    # each named: its line, its id, and the line whose prompt is kept
+    hashed = prompts[1].id
+    assert summary.duplicate_rows == [(2, "a", 1), (4, hashed, 3), (6, "7", 5)]
+    assert summary.unit == "line"
 
 
 def test_bad_rows_recorded_not_raised(tmp_path):

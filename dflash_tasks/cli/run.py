@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -274,6 +275,13 @@ def _print_enqueue_summary(r, job, summary, added, params, serving: list[str]) -
         err_console.print(f"[yellow]skipped[/] {bad.reason}")
     if len(summary.bad) > 20:
         err_console.print(f"[yellow]... and {len(summary.bad) - 20} more skipped rows[/]")
+    for line, prompt_id, first in summary.duplicate_rows:
+        err_console.print(f"[yellow]skipped[/] {summary.unit} {line}: duplicate id "
+                          f"{escape(repr(prompt_id))} (the prompt of {summary.unit} {first} is "
+                          "kept)", highlight=False)
+    if summary.duplicates > len(summary.duplicate_rows):
+        err_console.print(f"[yellow]... and {summary.duplicates - len(summary.duplicate_rows)} "
+                          "more duplicate ids[/]")
     table = Table(title=f"job {job.name}", show_header=False, box=None)
     for label, value in [
         ("rows read", summary.rows), ("valid prompts", summary.valid),
