@@ -91,3 +91,20 @@ def test_enqueue_names_every_duplicate_id_it_skips(tmp_path, redis_url):
     assert "line 3: duplicate id 'a' (the prompt of line 1 is kept)" in out.stderr, out.stderr
     assert "line 5: duplicate id '[bold]c' (the prompt of line 4 is kept)" in out.stderr
     assert c.status("dups")["total"] == 3
+
+
+def test_a_node_or_gpu_no_worker_registered_is_named_with_those_that_are(tmp_path, redis_url):
+    """Accepted (a node that joins later takes the work at once), with a warning that names the
+    registered ones: a typo is seen before the job waits for a node that will never come."""
+    c = Cluster(tmp_path, redis_url)
+    c.start_server(0)
+    c.start_worker(0)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "x"}])
+    gpu = c.gpu(0)
+    typo = gpu.replace("@", "@x")
+    out = c.manage("enqueue", "--dataset", str(data), "--job", "typo", "--gpus", typo)
+    assert f"no worker has registered {typo}" in out.stderr and gpu in out.stderr, out.stderr
+    out = c.manage("enqueue", "--dataset", str(data), "--job", "typo2", "--nodes", "lcoal")
+    assert "no worker has registered lcoal" in out.stderr and f"nodes {gpu.node}" in out.stderr
+    out = c.manage("enqueue", "--dataset", str(data), "--job", "fine", "--gpus", gpu)
+    assert "no worker has registered" not in out.stderr

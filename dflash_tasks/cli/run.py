@@ -88,6 +88,8 @@ def enqueue(dataset: str, subset, split, name: JobName, limit, samples, gpus, no
             "" if nodes == "all" else nodes if nodes is not None else ",".join(kept.nodes))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--gpus/--nodes") from None
+    if (unknown := _unregistered(r, selection)) is not None:
+        err_console.print(f"[yellow]warning:[/] {unknown}", highlight=False)
     where = _output_or_fail(existing, output, bodies == "storage")
     samples = _samples_or_fail(existing, samples)
 
@@ -244,6 +246,25 @@ def _final_write(existing: jobs.Job | None, started: bool, params, selection,
     same = [lifecycle.RUNNING, lifecycle.DONE] \
         if existing.status in (lifecycle.RUNNING, lifecycle.DONE) else [existing.status]
     return {**existing.as_read("params", "gpus", "nodes", "samples"), "status": same}, settings
+
+
+def _unregistered(r, selection: jobs.GpuSelection) -> str | None:
+    """What a selection names that no worker has registered (a typo, `gpu0@lcoal`), with the
+    names that are, or None. Said, not refused: a node that joins later takes the job's work
+    at once. Nothing is said while no worker has registered at all (workers may start after)."""
+    from dflash_tasks.dispatch import registered_gpus
+
+    known = registered_gpus(r)
+    if not known:
+        return None
+    nodes = sorted({g.node for g in known})
+    named = [] if selection.gpus == "all" or selection.gpus.isdigit() else selection.gpus.split(",")
+    lost = [n for n in selection.nodes if n not in nodes] + \
+        [g for g in named if g not in set(known)]
+    if not lost:
+        return None
+    return (f"no worker has registered {', '.join(lost)}: the job waits for one (registered: "
+            f"{', '.join(known) if named else 'nodes ' + ', '.join(nodes)})")
 
 
 def _samples_or_fail(existing: jobs.Job | None, samples: int | None) -> int:
