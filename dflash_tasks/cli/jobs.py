@@ -86,7 +86,6 @@ def cancel(name: JobName) -> None:
     generated stay counted (`resume` finishes them, `delete` removes the job)."""
     from dflash_tasks import dispatch
     from dflash_tasks.ledger import shared_ledger
-
     from dflash_tasks.output.progress import snapshot
 
     r = redis_or_fail()
