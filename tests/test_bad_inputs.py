@@ -8,7 +8,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from conftest import Cluster, write_jsonl
+from conftest import write_jsonl
 
 JOB = "kept"
 
@@ -22,9 +22,9 @@ def files_under(root: Path) -> set[str]:
 
 
 @pytest.fixture
-def deployment(tmp_path, redis_url):
+def deployment(cluster, tmp_path):
     tmp = tmp_path
-    c = Cluster(tmp, redis_url)
+    c = cluster()  # stopped after the test: no worker outlives it
     data = write_jsonl(tmp / "d.jsonl", [{"id": f"p{i}", "prompt": f"q {i}"} for i in range(5)])
     c.manage("enqueue", "--dataset", str(data), "--job", JOB)
     (tmp / "a-file").write_text("not a directory")
@@ -82,8 +82,8 @@ def test_bad_input_is_named_and_changes_nothing(deployment):
     assert not (tmp / "x").exists()
 
 
-def test_enqueue_names_every_duplicate_id_it_skips(tmp_path, redis_url):
-    c = Cluster(tmp_path, redis_url)
+def test_enqueue_names_every_duplicate_id_it_skips(cluster, tmp_path):
+    c = cluster()  # stopped after the test: no worker outlives it
     data = write_jsonl(tmp_path / "d.jsonl", [
         {"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, {"id": "a", "prompt": "z"},
         {"id": "[bold]c", "prompt": "z"}, {"id": "[bold]c", "prompt": "w"}])
@@ -93,10 +93,10 @@ def test_enqueue_names_every_duplicate_id_it_skips(tmp_path, redis_url):
     assert c.status("dups")["total"] == 3
 
 
-def test_a_node_or_gpu_no_worker_registered_is_named_with_those_that_are(tmp_path, redis_url):
+def test_a_node_or_gpu_no_worker_registered_is_named_with_those_that_are(cluster, tmp_path):
     """Accepted (a node that joins later takes the work at once), with a warning that names the
     registered ones: a typo is seen before the job waits for a node that will never come."""
-    c = Cluster(tmp_path, redis_url)
+    c = cluster()  # stopped after the test: no worker outlives it
     c.start_server(0)
     c.start_worker(0)
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "x"}])

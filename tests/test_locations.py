@@ -5,7 +5,7 @@ path, relative or absolute, is taken as it is."""
 from __future__ import annotations
 
 import pytest
-from conftest import Cluster, write_jsonl
+from conftest import write_jsonl
 from pydantic import ValidationError
 from support import ROOT
 
@@ -38,8 +38,8 @@ def test_output_dir_must_be_a_directory(monkeypatch):
             Settings()
 
 
-def test_commands_refuse_a_mistyped_location_and_change_nothing(tmp_path, redis_url):
-    c = Cluster(tmp_path, redis_url)
+def test_commands_refuse_a_mistyped_location_and_change_nothing(cluster, tmp_path):
+    c = cluster()  # stopped after the test: no worker outlives it
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "hi"}])
     c.manage("enqueue", "--dataset", str(data), "--job", "kept")
     before = {k: c.r.type(k) for k in c.r.keys("*")}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import datasets
 import pytest
-from conftest import Cluster, write_jsonl
+from conftest import write_jsonl
 
 from dflash_tasks.ingest.prompts import DatasetError, read_prompts
 
@@ -87,8 +87,8 @@ def test_a_save_to_disk_copy_reads_by_split(tmp_path):
     (("--split", "nope"), "nope"),
     (("--subset", "nope"), "nope"),
 ])
-def test_a_missing_split_or_subset_is_named_and_leaves_nothing(tmp_path, redis_url, args, says):
-    c = Cluster(tmp_path, redis_url)
+def test_a_missing_split_or_subset_is_named_and_leaves_nothing(cluster, tmp_path, args, says):
+    c = cluster()  # stopped after the test: no worker outlives it
     root = hub_layout(tmp_path / "repo")
     result = c.manage("enqueue", "--dataset", str(root), *args, "--job", "named", check=False)
     assert result.returncode != 0 and says in result.stderr and str(root) in result.stderr
@@ -96,8 +96,8 @@ def test_a_missing_split_or_subset_is_named_and_leaves_nothing(tmp_path, redis_u
     assert not c.r.keys("dflash:{named}*")
 
 
-def test_enqueue_by_name_records_the_source_and_resumes(tmp_path, redis_url):
-    c = Cluster(tmp_path, redis_url)
+def test_enqueue_by_name_records_the_source_and_resumes(cluster, tmp_path):
+    c = cluster()  # stopped after the test: no worker outlives it
     root = hub_layout(tmp_path / "repo")
     c.manage("enqueue", "--dataset", str(root), "--subset", "sharegpt", "--job", "named")
     assert c.status("named")["total"] == 25
@@ -111,9 +111,9 @@ def test_enqueue_by_name_records_the_source_and_resumes(tmp_path, redis_url):
     assert not c.r.keys("dflash:{other}*")
 
 
-def test_a_hub_name_offline_fails_with_its_name(tmp_path, redis_url):
+def test_a_hub_name_offline_fails_with_its_name(cluster, tmp_path):
     """hf:ORG/NAME goes to the hub; offline, the command says it could not reach it."""
-    c = Cluster(tmp_path, redis_url)
+    c = cluster()  # stopped after the test: no worker outlives it
     result = c.manage("enqueue", "--dataset", "hf:example-org/no-such-set", "--split", "train",
                       "--job", "hub", check=False)
     assert result.returncode != 0 and "hf:example-org/no-such-set" in result.stderr, result.stderr

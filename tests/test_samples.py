@@ -9,7 +9,7 @@ import json
 from collections import Counter
 
 import httpx
-from conftest import Cluster, write_jsonl
+from conftest import write_jsonl
 
 from dflash_tasks.core.jobs import request_seed
 
@@ -26,8 +26,8 @@ def output(row: dict) -> tuple[str, str]:
     return answer.get("reasoning_content") or "", answer.get("content") or ""
 
 
-def test_four_samples_of_500_prompts_are_2000_distinct_rows(tmp_path, redis_url):
-    c = Cluster(tmp_path, redis_url)
+def test_four_samples_of_500_prompts_are_2000_distinct_rows(cluster, tmp_path):
+    c = cluster()  # stopped after the test: no worker outlives it
     for gpu in (0, 1):
         c.start_server(gpu, *SIM)
         c.start_worker(gpu)
@@ -67,8 +67,8 @@ def test_four_samples_of_500_prompts_are_2000_distinct_rows(tmp_path, redis_url)
     assert fifth == {f"q{i:03d}#4" for i in range(10)}
 
 
-def test_a_job_of_one_sample_keeps_its_ids(tmp_path, redis_url):
-    c = Cluster(tmp_path, redis_url)
+def test_a_job_of_one_sample_keeps_its_ids(cluster, tmp_path):
+    c = cluster()  # stopped after the test: no worker outlives it
     data = write_jsonl(tmp_path / "d.jsonl", prompts(3))
     c.manage("enqueue", "--dataset", str(data), "--job", "one")
     assert {k.decode() for k in c.r.hkeys("dflash:{one}:prompts")} == {"q000", "q001", "q002"}
@@ -77,11 +77,11 @@ def test_a_job_of_one_sample_keeps_its_ids(tmp_path, redis_url):
     assert c.status("one")["total"] == 3
 
 
-def test_failed_samples_are_retried_alone(tmp_path, redis_url):
+def test_failed_samples_are_retried_alone(cluster, tmp_path):
     """A prompt too long for the context at the job's cap fails in every sample, each in the
     registry under its own id; `retry-failed` after a smaller cap brings each back alone, and
     each becomes a row of its own."""
-    c = Cluster(tmp_path, redis_url)
+    c = cluster()  # stopped after the test: no worker outlives it
     c.start_server(0, *SIM, "--context-length", "1024")
     c.start_worker(0)
     c.start_beat()
