@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -355,3 +356,15 @@ def test_train_prints_its_run_for_every_trigger(tmp_path, redis_url, trigger):
     out = c.manage("train", "--job", "tj", "--trainer", "command", "--template", "ok", *trigger)
     assert "training run" in out.stdout and "tj-train-1" in out.stdout, out.stdout
     assert c.r.zcard("dflash:train:runs") == 1
+    # Its hints work when pasted from any directory, in the documented shell (.venv/bin first on
+    # the PATH); the worker, which runs until stopped, only as far as its --help.
+    hints = [line.split(": ", 1)[1] for line in out.stdout.splitlines() if ": manage.py " in line]
+    assert len(hints) == 2, out.stdout
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**c.env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for hint in hints:
+        argv = shlex.split(hint) + (["--help"] if " worker " in f" {hint} " else [])
+        result = subprocess.run(argv, cwd=elsewhere, env=env, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, (hint, result.stderr)

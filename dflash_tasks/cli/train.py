@@ -132,8 +132,8 @@ def train(job: JobName, after_done: bool, min_rows: int | None, trainer: str, te
     else:
         when = f"waiting for {min_rows:,} shipped rows of job {job}; beat queues it then"
     console.print(f"training run [bold]{run.name}[/] ({trainer} trainer): {when}.\n"
-                  f"  a training worker runs it: python manage.py worker --queue train\n"
-                  f"  follow it: python manage.py train-status --run {run.name}", highlight=False)
+                  f"  a training worker runs it: manage.py worker --queue train\n"
+                  f"  follow it: manage.py train-status --run {run.name}", highlight=False)
 
 
 def _smoke_now(job: JobName, spec: dict, as_json: bool) -> None:
