@@ -77,7 +77,8 @@ Then:
   manage.py stats --job mine
   manage.py export --job mine --to mine-export
 
-Stop everything: make local-stop  (your jobs stay in Redis's data for the next make local)""")
+Stop everything (from any directory; your jobs stay in Redis's data for the next make local):
+  make -C {ROOT} local-stop LOCAL_DIR={state["output"]}""")
 
 
 @click.group()
