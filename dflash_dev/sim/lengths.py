@@ -91,18 +91,14 @@ class ResponsePlan:
         return max_new_tokens, "length"
 
 
-# A sampled output's salt (sampled_salt) is said as its first two words, so that a continuation
-# on any server reads it back from the ids (salt_of) and goes on with the same output.
-SALTS = tokens.VOCAB * tokens.VOCAB
-
-
 def plan_response(prompt_ids: Sequence[int], thinking: bool, *, median: float = 1800.0,
                   p_over_4096: float = 0.18, fixed_tokens: int = 0,
                   byte_level: bool = False, salt: int | None = None) -> ResponsePlan:
     """The plan for a rendered prompt; `fixed_tokens` > 0 makes every natural length that long;
     `byte_level`: the byte-level tokenizer's output (tokens.py); `salt`: one of the prompt's
-    sampled outputs (its own length and words, the salt its first two words), None: the one a
-    greedy request gets, always the same."""
+    sampled outputs (its own length and words), None: the one a greedy request gets, always the
+    same. A sampled output says its salt as its first two words, so that a continuation on any
+    server reads it back from the ids (salt_of) and goes on with the same output."""
     key = tokens.prompt_key(prompt_ids)
     head: tuple[int, ...] = ()
     if salt is not None:

@@ -236,13 +236,12 @@ class Layout:
             else:
                 j = self.offset + base + lo - s0
                 words = _window(_BYTES2 if self.byte_level else _IDS2, j, j + hi - lo)
-                out.extend(self._headed(words, base + lo - s0, as_text=False) if self.head
-                           else words)
+                out.extend(self._headed(words, base + lo - s0, as_text=False))
         return out
 
     def _headed(self, words: list, first: int, *, as_text: bool) -> list:
         """`words` (the response's words first.. from the table, as ids or as text) with the
-        head's words in place of those it covers."""
+        head's words in place of those it covers (none, for an output without a head)."""
         if first >= len(self.head):
             return words
         words = list(words)
@@ -266,8 +265,7 @@ class Layout:
             else:
                 j = self.offset + base + lo - s0
                 words = _window(_WORDS2, j, j + hi - lo)
-                parts.append(" ".join(self._headed(words, base + lo - s0, as_text=True)
-                                      if self.head else words))
+                parts.append(" ".join(self._headed(words, base + lo - s0, as_text=True)))
         return "".join(parts)
 
     def reasoning_tokens(self, stop: int) -> int:

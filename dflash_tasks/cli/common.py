@@ -128,12 +128,11 @@ def directory_to_write(ctx, param, value):
     is said at once, with nothing done."""
     if value is None:
         return None
+    from dflash_tasks.output.storage import directory_problem
+
     path = Path(value).expanduser().resolve()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise click.BadParameter(f"{value}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise click.BadParameter(f"{value}: {existing} is not writable by this user")
+    if problem := directory_problem(path):
+        raise click.BadParameter(f"{value}: {problem}")
     return path
 
 

@@ -259,8 +259,9 @@ def _unregistered(r, selection: jobs.GpuSelection) -> str | None:
         return None
     nodes = sorted({g.node for g in known})
     named = [] if selection.gpus == "all" or selection.gpus.isdigit() else selection.gpus.split(",")
+    registered = set(known)
     lost = [n for n in selection.nodes if n not in nodes] + \
-        [g for g in named if g not in set(known)]
+        [g for g in named if g not in registered]
     if not lost:
         return None
     return (f"no worker has registered {', '.join(lost)}: the job waits for one (registered: "

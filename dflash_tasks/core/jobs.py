@@ -69,7 +69,6 @@ class GenerationParams:
         return GenerationParams(**{**asdict(self), **{k: v for k, v in changes.items() if v is not None}})
 
 
-
 def request_seed(job: str, prompt_id: str) -> int:
     """The sampling seed every request of a prompt sends (chat's `seed`, /generate's
     `sampling_seed`): a hash of the job and the prompt's id, so each sample of a prompt has its
@@ -79,6 +78,7 @@ def request_seed(job: str, prompt_id: str) -> int:
     state and the seed is ignored (docs/SGLANG_0.5.23.md)."""
     digest = hashlib.blake2b(f"{job}\0{prompt_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1  # in SGLang's range, [-2**63, 2**63 - 1]
+
 
 @dataclass(frozen=True, slots=True)
 class GpuSelection:

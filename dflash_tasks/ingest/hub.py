@@ -16,13 +16,12 @@ are never touched). A row's number is its position in the split, 1-based, as a P
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 HUB_PREFIX = "hf:"
 DEFAULT_SPLIT = "train"
-COLUMNS = ("id", "conversations", "messages", "prompt", "system")
 
 
 class HubError(ValueError):
@@ -43,15 +42,17 @@ def describe(source: str | Path, subset: str | None, split: str | None) -> str:
     return f"{source} ({', '.join(extra)})" if extra else str(source)
 
 
-def records(source: str | Path, subset: str | None = None,
-            split: str | None = None) -> Iterator[tuple[int, dict]]:
-    """(row number, row) of the split, lazily. Raises HubError now for a source that cannot be
-    opened (not found, no such subset or split), and during iteration for one that fails later."""
-    rows = _open(str(source), subset, split or DEFAULT_SPLIT)
+def records(source: str | Path, subset: str | None, split: str | None, *,
+            columns: Sequence[str], required: Sequence[str]) -> Iterator[tuple[int, dict]]:
+    """(row number, row) of the split, lazily, with only those of `columns` it has (at least
+    one of `required`). Raises HubError now for a source that cannot be opened (not found, no
+    such subset or split, none of `required`), and during iteration for one that fails later."""
+    rows = _open(str(source), subset, split or DEFAULT_SPLIT, columns, required)
     return _numbered(rows, str(source))
 
 
-def _open(source: str, subset: str | None, split: str):
+def _open(source: str, subset: str | None, split: str, columns: Sequence[str],
+          required: Sequence[str]):
     import datasets
 
     name = source.removeprefix(HUB_PREFIX)
@@ -68,10 +69,11 @@ def _open(source: str, subset: str | None, split: str):
                 saved = saved[split]
             elif split != DEFAULT_SPLIT:
                 raise HubError(f"{source}: a single saved split, not {split!r}: leave --split out")
-            return _columns(saved)
+            return _columns(saved, columns, required)
         if not name.strip("/"):
             raise HubError(f"{source}: expected hf:ORG/NAME")
-        return _columns(datasets.load_dataset(name, subset, split=split, streaming=True))
+        return _columns(datasets.load_dataset(name, subset, split=split, streaming=True),
+                        columns, required)
     except HubError:
         raise
     except datasets.exceptions.DatasetNotFoundError as exc:
@@ -85,13 +87,14 @@ def _saved_to_disk(path: Path) -> bool:
     return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
-def _columns(dataset) -> Any:
-    """Only the columns prompts.py reads, when the dataset says which it has."""
+def _columns(dataset, columns: Sequence[str], required: Sequence[str]) -> Any:
+    """Only the `columns` prompts.py reads, when the dataset says which it has."""
     names = getattr(dataset, "column_names", None)
     if names:
-        keep = [c for c in COLUMNS if c in names]
-        if not set(keep) & {"conversations", "messages", "prompt"}:
-            raise HubError(f"no 'conversations', 'messages' or 'prompt' column (columns: "
+        keep = [c for c in columns if c in names]
+        if not set(keep) & set(required):
+            *others, last = (repr(c) for c in required)
+            raise HubError(f"no {', '.join(others)} or {last} column (columns: "
                            f"{', '.join(names)})")
         return dataset.select_columns(keep)
     return dataset
@@ -102,8 +105,6 @@ def _numbered(rows, source: str) -> Iterator[tuple[int, dict]]:
     try:
         for number, row in enumerate(rows, 1):
             yield number, row
-    except HubError:
-        raise
     except Exception as exc:  # a shard unreadable halfway, a connection lost while streaming
         raise HubError(f"{source}: cannot read past row {number}: {_first_line(exc)}") from exc
 

@@ -84,7 +84,10 @@ JSONL_SUFFIXES = {  # suffix -> compression
     ".jsonl.zst": "zstd", ".json.zst": "zstd",
 }
 PARQUET_SUFFIX = ".parquet"
-PARQUET_COLUMNS = ("id", "conversations", "messages", "prompt", "system")
+# The columns a Parquet file's or a named dataset's row is read from (the others are never
+# decoded), and those of them a row's messages come from
+ROW_COLUMNS = ("id", "conversations", "messages", "prompt", "system")
+MESSAGE_COLUMNS = ("conversations", "messages", "prompt")
 PARQUET_BATCH_ROWS = 4096
 NAMED_DUPLICATES = 20  # duplicate rows a read names (all are counted)
 
@@ -126,13 +129,21 @@ def iter_rows(path: str | Path, *, subset: str | None = None,
               split: str | None = None) -> Iterator[Prompt | BadRow]:
     """Every non-blank row of the dataset at `path` (a file, or a dataset by name: hub.py, with
     its `subset` and `split`), in order, as a Prompt or a BadRow."""
+    return _parsed(*_records(path, subset, split))
+
+
+def _records(path: str | Path, subset: str | None,
+             split: str | None) -> tuple[Iterator[tuple[int, Any]], str]:
+    """The dataset's lazy records, checked now, and the unit ("line"/"row") they count in."""
     if hub.is_named(path):
-        records, unit = _named_records(path, subset, split), "row"
-    elif subset is not None or split is not None:
+        return _named_records(path, subset, split), "row"
+    if subset is not None or split is not None:
         raise DatasetError(f"{path}: --subset and --split are for a dataset by name (hf:ORG/NAME)"
                            " or a dataset directory, not a file")
-    else:
-        records, unit = _open_records(Path(path))
+    return _open_records(Path(path))
+
+
+def _parsed(records: Iterator[tuple[int, Any]], unit: str) -> Iterator[Prompt | BadRow]:
     return (_parse_record(number, raw, unit) for number, raw in records)
 
 
@@ -146,11 +157,10 @@ def read_prompts(path: str | Path, limit: int | None = None,
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    rows = iter_rows(path, subset=subset, split=split)
+    records, unit = _records(path, subset, split)
     summary = summary if summary is not None else ReadSummary()
-    summary.unit = "row" if hub.is_named(path) or str(path).lower().endswith(PARQUET_SUFFIX) \
-        else "line"
-    return _unique_prompts(rows, limit, summary)
+    summary.unit = unit
+    return _unique_prompts(_parsed(records, unit), limit, summary)
 
 
 def _unique_prompts(rows: Iterator[Prompt | BadRow], limit: int | None,
@@ -185,7 +195,8 @@ def _named_records(source: str | Path, subset: str | None,
                    split: str | None) -> Iterator[tuple[int, dict]]:
     """hub.records, its errors as DatasetError: opened now, read lazily."""
     try:
-        records = hub.records(source, subset, split)
+        records = hub.records(source, subset, split, columns=ROW_COLUMNS,
+                              required=MESSAGE_COLUMNS)
     except hub.HubError as exc:
         raise DatasetError(str(exc)) from None
 
@@ -242,8 +253,8 @@ def _parquet_records(path: Path) -> Iterator[tuple[int, dict]]:
     number = 0
     try:
         with pq.ParquetFile(path) as table:
-            columns = [c for c in PARQUET_COLUMNS if c in table.schema_arrow.names]
-            if not set(columns) & {"conversations", "messages", "prompt"}:
+            columns = [c for c in ROW_COLUMNS if c in table.schema_arrow.names]
+            if not set(columns) & set(MESSAGE_COLUMNS):
                 raise DatasetError(f"{path}: no 'conversations', 'messages' or 'prompt' column")
             for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
                 for row in batch.to_pylist():

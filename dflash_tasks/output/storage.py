@@ -432,11 +432,10 @@ def check_output(where: str, settings: Settings, *, named: str) -> str:
     node's credentials, or a directory made absolute that this process can create or write.
     Raises ValueError naming the setting (`named`) and the problem; creates nothing."""
     try:
-        check_location(where)
+        check_location(where)  # a mistyped scheme, or an S3 URI that is not one
     except ValueError as exc:
         raise ValueError(f"{named}: {exc}") from None
     if where.startswith("s3://"):
-        parse_s3_uri(where)  # ValueError names what is wrong with the URI
         problem = _s3_for(where, settings).check(bucket=True, named=named)
         if problem:
             raise ValueError(problem)
@@ -444,13 +443,21 @@ def check_output(where: str, settings: Settings, *, named: str) -> str:
     if "://" in where:
         raise ValueError(f"{named}={where}: a directory or an s3://bucket/prefix URI")
     path = Path(where).expanduser().resolve()
+    if problem := directory_problem(path):
+        raise ValueError(f"{named}={where}: {problem}")
+    return str(path)
+
+
+def directory_problem(path: Path) -> str | None:
+    """Why no directory can be made or written at `path` (absolute): the nearest existing one
+    on its way is a file, or this user cannot write it. None when one can."""
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise ValueError(f"{named}={where}: {existing} is a file, not a directory")
+        return f"{existing} is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{named}={where}: {existing} is not writable by this user"
-                         + ("" if existing == path else f" (to create {path} in it)"))
-    return str(path)
+        return (f"{existing} is not writable by this user"
+                + ("" if existing == path else f" (to create {path} in it)"))
+    return None
 
 
 def _s3_for(uri: str, s: Settings, readers: int | None = None) -> S3Storage:
