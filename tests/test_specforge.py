@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from test_training_data import generate_rows, sim_rows, sim_url, words, write_ba
 from tokenizer_support import build_tokenizer
 
 from dflash_dev.sim import tokens as sim
+from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.output.storage import LocalStorage
 from dflash_tasks.training.data.exports import export_training
 from dflash_tasks.training.data.gate import Rules
@@ -305,3 +307,83 @@ def test_a_conversations_run_leaves_truncated_rows_out_unless_asked(tmp_path, sh
     with pytest.raises(spec.SpecError, match="keep_truncated: true or false, not 'false'"):
         spec.build({"gate": {}, "reference": {},
                     "command": {"target_model": "/m", "keep_truncated": "false"}}, "command", None)
+
+
+def conversation_rows(url: str) -> list[dict]:
+    """Conversations whose every reply the simulated target made, as the pipeline makes them
+    (enqueue --turns all: generate.py's turn records and row), in both thinking modes, with and
+    without a system turn, finished and with a reply cut at the cap (which ends the
+    conversation)."""
+    from dflash_tasks.core import conversation
+    from dflash_tasks.output.rows import build_conversation_row, turn_record
+    from dflash_tasks.sglang.client import SGLangClient
+
+    client = SGLangClient(url)
+    rows = []
+    try:
+        for system in (False, True):
+            for thinking in (True, False):
+                for cap in (30000, 40):
+                    script = [{"role": "system", "content": words(30, 4)}] if system else []
+                    for t in range(3):
+                        script += [conversation.SLOT] if t else []
+                        script.append({"role": "user", "content": words(31 + t, 6)})
+                    turns, last = [], None
+                    params = GenerationParams(max_tokens=cap, enable_thinking=thinking)
+                    while len(turns) < conversation.replies(script):
+                        context = conversation.context(script, [t["content"] for t in turns])
+                        last = client.chat(context, max_tokens=cap, enable_thinking=thinking)
+                        turns.append(turn_record(last, gpu="gpu0@t", attempts=1))
+                        if last.finish_reason != "stop":
+                            break
+                    rows.append(build_conversation_row(
+                        f"conv-{system}-{thinking}-{cap}", script, turns, last=last, job="t",
+                        gpu="gpu0@t", params=params, server=client.contract()))
+    finally:
+        client.close()
+    return rows
+
+
+def test_every_reply_of_a_conversation_reaches_specforge_once_in_its_own_context(
+        tmp_path, sim_url, hf_tokenizer):  # noqa: F811
+    """Issue 39: a conversation's every reply is one SpecForge sample, ending at it, the earlier
+    replies' reasoning dropped (expand_reasoning_conversations.py's view): through the tokenized
+    path exactly the server's ids of that reply's request, its response alone under the loss;
+    through the conversations path the same, up to the differences docs/TRAINING_DATA.md names."""
+    from dflash_tasks.training.data.turns import training_rows
+
+    rows = conversation_rows(sim_url)
+    views = {v["id"]: v for row in rows for v in training_rows(row)}
+    replies = sum(len(r["metadata"]["turns"]) for r in rows)
+    assert len(views) == replies > len(rows)
+    assert any(r["status"] == "truncated" and len(r["metadata"]["turns"]) < 3 for r in rows)
+
+    out, ids = exported(tmp_path, rows, "specforge-tokenized")
+    assert sorted(ids) == sorted(views)
+    samples = read_prompts(out.path, chat_template="qwen3-thinking", train_only_last_turn=True)
+    for rid, (input_ids, loss_mask) in zip(ids, samples):
+        made = views[rid]["token_ids"]
+        assert input_ids == made["prompt"] + made["response"], rid
+        assert loss_mask == [0] * len(made["prompt"]) + [1] * len(made["response"]), rid
+    # Each reply's tokens are under the loss exactly once in its conversation's samples.
+    trained = Counter((rid.rpartition("/turn")[0], tuple(input_ids[-sum(mask):]))
+                      for rid, (input_ids, mask) in zip(ids, samples) if sum(mask))
+    for row in rows:
+        for turn in [*row["token_ids"]["earlier_turns"], row["token_ids"]]:
+            assert trained[(row["id"], tuple(turn["response"]))] == 1
+
+    encode = lambda text: hf_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    for thinking in (True, False):
+        chosen = [r for r in rows if r["metadata"]["enable_thinking"] is thinking]
+        out, ids = exported(tmp_path / str(thinking), chosen, "specforge-conversations")
+        template = template_for("auto", dict(out.thinking))
+        samples = read_prompts(out.path, hf_tokenizer, chat_template=template,
+                               train_only_last_turn=True)
+        from datasets import Dataset
+
+        order = Dataset.from_dict({"i": list(range(len(ids)))}).shuffle(seed=42)["i"]
+        for index, (input_ids, loss_mask) in zip(order, samples):
+            view = views[ids[index]]
+            want_ids, want_mask = named_differences(view, tokenize_row(view), encode)
+            assert input_ids == want_ids, view["id"]
+            assert loss_mask == want_mask, view["id"]

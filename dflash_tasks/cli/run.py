@@ -46,6 +46,11 @@ from dflash_tasks.core.settings import get_settings
               help="Rows per prompt: N independent samples, each with its own id (<id>#0 .. "
                    "<id>#N-1), resumed and retried alone. A resume may raise it.",
               show_default="1; a resumed job keeps its own")
+@click.option("--turns", type=click.Choice(["last", "all"]),
+              help="A conversation's replies to generate: the last (after the dataset's own "
+                   "earlier replies), or all, each in the context of the target's own earlier "
+                   "ones: one row per conversation.",
+              show_default="last; a resumed job keeps its own")
 @click.option("--gpus", metavar="all|N|GPUS",
               help="The GPUs the job uses, among every node's registered ones (a node that joins "
                    "later included): all, N (gpu0..gpuN-1 of each node) or names "
@@ -63,8 +68,8 @@ from dflash_tasks.core.settings import get_settings
               show_default="DFLASH_S3_URI, else DFLASH_OUTPUT_DIR made absolute; a resumed job "
                            "keeps its own")
 @click.option("--follow", is_flag=True, help="Show progress until the job is done.")
-def enqueue(dataset: str, subset, split, name: JobName, limit, samples, gpus, nodes, bodies,
-            output, follow, **options) -> None:
+def enqueue(dataset: str, subset, split, name: JobName, limit, samples, turns, gpus, nodes,
+            bodies, output, follow, **options) -> None:
     """Store a dataset's prompts as a job and start dispatching them; resumes a known job."""
     from dflash_tasks import dispatch
     from dflash_tasks.ingest import hub
@@ -92,6 +97,7 @@ def enqueue(dataset: str, subset, split, name: JobName, limit, samples, gpus, no
         err_console.print(f"[yellow]warning:[/] {unknown}", highlight=False)
     where = _output_or_fail(existing, output, bodies == "storage")
     samples = _samples_or_fail(existing, samples)
+    turns = _turns_or_fail(existing, turns)
 
     summary = ReadSummary()
     source = hub.describe(dataset, subset, split)  # as the job records it
@@ -100,7 +106,7 @@ def enqueue(dataset: str, subset, split, name: JobName, limit, samples, gpus, no
     # and parameters until then.
     if existing is None:
         jobs.save(r, name, params, selection=selection, dataset=source, status=lifecycle.LOADING,
-                  output=where, samples=samples)
+                  output=where, samples=samples, turns=turns)
     # Chunks are stored by a sender thread while the next ones are read; on a resume only the
     # prompts the job does not know yet are encoded and sent (loader.py).
     book = shared_ledger()
@@ -129,7 +135,7 @@ def enqueue(dataset: str, subset, split, name: JobName, limit, samples, gpus, no
         raise
     try:
         prompts = with_samples(read_prompts(dataset, limit=limit, summary=summary, subset=subset,
-                                            split=split), samples)
+                                            split=split, every_turn=turns == "all"), samples)
         with Progress(SpinnerColumn(), TextColumn("[bold]reading {task.description}"),
                       TextColumn("{task.completed:,} prompts"), TimeElapsedColumn(),
                       console=err_console, transient=True) as bar:
@@ -288,6 +294,17 @@ def _samples_or_fail(existing: jobs.Job | None, samples: int | None) -> int:
     return samples
 
 
+def _turns_or_fail(existing: jobs.Job | None, turns: str | None) -> str:
+    """The job's turns: a new job's --turns ("last" by default), a resumed job's own. Its
+    prompts' ids and scripts depend on it: another would be another job."""
+    if existing is None:
+        return turns or "last"
+    if turns is not None and turns != existing.turns:
+        raise click.ClickException(f"job {existing.name} generates --turns {existing.turns}: "
+                                   f"--turns {turns} needs a new job; nothing was stored")
+    return existing.turns
+
+
 def _print_enqueue_summary(r, job, summary, added, params, serving: list[str]) -> None:
     from dflash_tasks.ledger import shared_ledger
 
@@ -309,6 +326,8 @@ def _print_enqueue_summary(r, job, summary, added, params, serving: list[str]) -
         ("rows read", summary.rows), ("valid prompts", summary.valid),
         ("skipped (malformed)", len(summary.bad)), ("duplicate ids in dataset", summary.duplicates),
         *([("samples per prompt", job.samples)] if job.samples > 1 else []),
+        *([("turns", "every assistant reply, in the target's own context")]
+          if job.turns == "all" else []),
         ("new prompts queued", added), ("prompts in job", total), ("already done", done),
         ("failed", failed), ("remaining", max(0, total - done - failed)),
         ("gpus", f"{job.selection.describe()}: "

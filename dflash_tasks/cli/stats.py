@@ -42,7 +42,7 @@ def stats(name: JobName, as_json: bool, source: str | None, sample: int, plot: P
     r = redis_or_fail()
     job = job_or_fail(r, name)
     result = job_stats(r, output_storage(source, name, r), name, max_tokens=job.params.max_tokens,
-                       sample=sample, samples=job.samples)
+                       sample=sample, samples=job.samples, turns=job.turns)
     if plot:
         plot_lengths(counter_hist(r, name), job.params.max_tokens, plot)
     if as_json:
@@ -73,5 +73,9 @@ def stats(name: JobName, as_json: bool, source: str | None, sample: int, plot: P
                       f"average over {per['prompts']:,} prompts"
                       + (f"; in the sample {s['repeated_samples']:,} rows repeat another sample of "
                          "their prompt" if s["rows"] else ""))
+    if (turns := result["turns"]) is not None:
+        console.print(f"conversations: {turns['conversations']:,} done, {turns['replies']:,} "
+                      f"replies ({turns['mean_replies']:.2f} each); {turns['ended_by_length']:,} "
+                      "ended early by a reply cut at the cap")
     if plot:
         console.print(f"histogram written to {plot}")

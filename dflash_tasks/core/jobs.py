@@ -69,14 +69,16 @@ class GenerationParams:
         return GenerationParams(**{**asdict(self), **{k: v for k, v in changes.items() if v is not None}})
 
 
-def request_seed(job: str, prompt_id: str) -> int:
+def request_seed(job: str, prompt_id: str, turn: int = 0) -> int:
     """The sampling seed every request of a prompt sends (chat's `seed`, /generate's
     `sampling_seed`): a hash of the job and the prompt's id, so each sample of a prompt has its
     own, and every part of a continued generation the same. SGLang reads it only under
     --enable-deterministic-inference, where a request without one gets 42: every sample of a
     prompt would be the same row. Otherwise each request draws from the sampler's own random
-    state and the seed is ignored (docs/SGLANG_0.5.23.md)."""
-    digest = hashlib.blake2b(f"{job}\0{prompt_id}".encode(), digest_size=8).digest()
+    state and the seed is ignored (docs/SGLANG_0.5.23.md). Each reply of a conversation after
+    its first (`turn`) has its own."""
+    key = f"{job}\0{prompt_id}" + (f"\0{turn}" if turn else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1  # in SGLang's range, [-2**63, 2**63 - 1]
 
 
@@ -138,6 +140,10 @@ class Job:
     # Rows per prompt (enqueue --samples): each sample a prompt of its own, its id the prompt's
     # and "#k" (ingest/prompts.py's sample_id); 1, the prompt's own id.
     samples: int = 1
+    # Which assistant turns of a conversation are generated (enqueue --turns): "last", the last
+    # reply after the dataset's own earlier ones, or "all", every reply in the context of the
+    # target's own earlier ones (core/conversation.py). Fixed by the job's first enqueue.
+    turns: str = "last"
     # The config hash exactly as read: what a command's compare-and-set expects to find again.
     stored: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -156,7 +162,8 @@ def load(r: redis.Redis, name: JobName) -> Job | None:
                selection=GpuSelection(gpus=d.get("gpus", "all"),
                                       nodes=tuple(n for n in d.get("nodes", "").split(",") if n)),
                dataset=d.get("dataset", ""), created_at=float(d.get("created_at", 0)),
-               output=d.get("output", ""), samples=int(d.get("samples") or 1), stored=d)
+               output=d.get("output", ""), samples=int(d.get("samples") or 1),
+               turns=d.get("turns") or "last", stored=d)
 
 
 def config_fields(params: GenerationParams, selection: GpuSelection) -> dict[str, str]:
@@ -166,13 +173,14 @@ def config_fields(params: GenerationParams, selection: GpuSelection) -> dict[str
 
 
 def save(r: redis.Redis, name: JobName, params: GenerationParams, *, selection: GpuSelection,
-         dataset: str, status: str = "running", output: str = "", samples: int = 1) -> Job:
+         dataset: str, status: str = "running", output: str = "", samples: int = 1,
+         turns: str = "last") -> Job:
     """Create the job (unconditionally: a new job's first write, or a test's). Every later change
     is a compare-and-set against what its command read (Ledger.update_job, Ledger.transition)."""
     pipe = r.pipeline()
     pipe.hsetnx(name.config, "created_at", time.time())
     pipe.hset(name.config, mapping={**config_fields(params, selection), "dataset": dataset,
-                                 "status": status, "samples": samples,
+                                 "status": status, "samples": samples, "turns": turns,
                                  **({"output": output} if output else {})})
     pipe.sadd(JOBS, name)
     pipe.execute()

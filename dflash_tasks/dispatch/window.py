@@ -115,15 +115,17 @@ def round_cap(s: Settings, max_tokens: int, generated: int, pending: int, slots:
 
 
 def next_round(r: redis.Redis, job: JobName, prompt_id: str, gpu: GpuName, entry: bytes,
-               tokens: int, started_from: str, rate_bucket_s: int = 10) -> bool:
+               tokens: int, started_from: str, rate_bucket_s: int = 10, *,
+               turn: bool = False) -> bool:
     """A generation cut at its round's end on `gpu`: its entry now the one that goes on from
-    there, to the back of pending (next_round.lua). False when the prompt left `gpu`, or its
-    entry is no longer the one of SHA-1 `started_from` (ledger.TaskState.entry_digest),
-    meanwhile (nothing moved)."""
+    there, to the back of pending (next_round.lua); with `turn`, a conversation's reply made,
+    to the front, for its next. False when the prompt left `gpu`, or its entry is no longer the
+    one of SHA-1 `started_from` (ledger.TaskState.entry_digest), meanwhile (nothing moved)."""
     return bool(NEXT_ROUND(r, inflight=job.inflight(gpu), prompts=job.prompts,
                            pending=job.pending, counters=job.counters, config=job.config,
                            rate=job.rate, id=prompt_id, entry=entry, tokens=tokens,
-                           started_from=started_from, gpu=gpu, rate_bucket_s=rate_bucket_s))
+                           started_from=started_from, gpu=gpu, rate_bucket_s=rate_bucket_s,
+                           turn="1" if turn else "0"))
 
 
 def migrations(r: redis.Redis, gpu: GpuName, timeout_s: float) -> tuple[str, str] | None:

@@ -69,6 +69,7 @@ from typing import Any
 import orjson
 import zstandard
 
+from dflash_tasks.core import conversation
 from dflash_tasks.ingest import hub
 
 ROLES = {
@@ -125,11 +126,12 @@ class ReadSummary:
     unit: str = "line"
 
 
-def iter_rows(path: str | Path, *, subset: str | None = None,
-              split: str | None = None) -> Iterator[Prompt | BadRow]:
+def iter_rows(path: str | Path, *, subset: str | None = None, split: str | None = None,
+              every_turn: bool = False) -> Iterator[Prompt | BadRow]:
     """Every non-blank row of the dataset at `path` (a file, or a dataset by name: hub.py, with
-    its `subset` and `split`), in order, as a Prompt or a BadRow."""
-    return _parsed(*_records(path, subset, split))
+    its `subset` and `split`), in order, as a Prompt or a BadRow; `every_turn`: as a script
+    whose every assistant reply is regenerated (core/conversation.py)."""
+    return _parsed(*_records(path, subset, split), every_turn)
 
 
 def _records(path: str | Path, subset: str | None,
@@ -143,13 +145,14 @@ def _records(path: str | Path, subset: str | None,
     return _open_records(Path(path))
 
 
-def _parsed(records: Iterator[tuple[int, Any]], unit: str) -> Iterator[Prompt | BadRow]:
-    return (_parse_record(number, raw, unit) for number, raw in records)
+def _parsed(records: Iterator[tuple[int, Any]], unit: str,
+            every_turn: bool) -> Iterator[Prompt | BadRow]:
+    return (_parse_record(number, raw, unit, every_turn) for number, raw in records)
 
 
 def read_prompts(path: str | Path, limit: int | None = None,
                  summary: ReadSummary | None = None, *, subset: str | None = None,
-                 split: str | None = None) -> Iterator[Prompt]:
+                 split: str | None = None, every_turn: bool = False) -> Iterator[Prompt]:
     """Valid prompts with ids not seen before in this read, at most `limit` of them.
 
     Bad rows and duplicates are counted in `summary` (filled in as the iterator is consumed)
@@ -160,7 +163,7 @@ def read_prompts(path: str | Path, limit: int | None = None,
     records, unit = _records(path, subset, split)
     summary = summary if summary is not None else ReadSummary()
     summary.unit = unit
-    return _unique_prompts(_parsed(records, unit), limit, summary)
+    return _unique_prompts(_parsed(records, unit, every_turn), limit, summary)
 
 
 def _unique_prompts(rows: Iterator[Prompt | BadRow], limit: int | None,
@@ -266,10 +269,10 @@ def _parquet_records(path: Path) -> Iterator[tuple[int, dict]]:
 
 # --- raw record -> Prompt ------------------------------------------------------------------
 
-def _parse_record(number: int, raw: bytes | dict, unit: str) -> Prompt | BadRow:
+def _parse_record(number: int, raw: bytes | dict, unit: str, every_turn: bool) -> Prompt | BadRow:
     try:
         row = _json_object(raw) if isinstance(raw, bytes) else raw
-        messages = _row_messages(row)
+        messages = _row_messages(row, every_turn)
         return Prompt(id=_row_id(row, messages), messages=tuple(messages), line=number)
     except _RowError as exc:
         return BadRow(line=number, reason=f"{unit} {number}: {exc}")
@@ -317,10 +320,11 @@ def _encodable(value: dict) -> bool:
     return True
 
 
-def _row_messages(row: dict) -> list[dict]:
+def _row_messages(row: dict, every_turn: bool = False) -> list[dict]:
     for name in ("conversations", "messages"):
         if row.get(name) is not None:
-            return _conversation(row[name], name)
+            messages = _conversation(row[name], name, every_turn)
+            return _script(messages) if every_turn else messages
     if row.get("prompt") is not None:
         return _prompt_messages(row["prompt"], row.get("system"))
     raise _RowError("no 'conversations', 'messages' or 'prompt' field")
@@ -335,7 +339,20 @@ def _prompt_messages(prompt: Any, system: Any) -> list[dict]:
     return [*head, {"role": "user", "content": prompt}]
 
 
-def _conversation(turns: Any, name: str) -> list[dict]:
+def _script(messages: list[dict]) -> list[dict]:
+    """The conversation as a script (core/conversation.py): each run of assistant turns after
+    the first user turn one slot, its dataset text dropped."""
+    out: list[dict] = []
+    for m in messages:
+        if conversation.is_slot(m):
+            if not conversation.is_slot(out[-1]):
+                out.append(dict(conversation.SLOT))
+            continue
+        out.append(m)
+    return out
+
+
+def _conversation(turns: Any, name: str, every_turn: bool = False) -> list[dict]:
     if not isinstance(turns, list):
         raise _RowError(f"'{name}' is {_kind(turns)}, not a list of turns")
     if not turns:
@@ -348,7 +365,11 @@ def _conversation(turns: Any, name: str) -> list[dict]:
         raise _RowError("no user turn to answer (only assistant turns)")
     if roles[end - 1] not in ("user", "tool"):
         raise _RowError(f"no user turn to answer (conversation ends with a {roles[end - 1]} turn)")
-    messages = [{"role": role, "content": _content(turn, i)}
+    # Replies the target regenerates (every_turn: those after the first user turn) are slots:
+    # their text is not read.
+    asked = roles.index("user") + 1 if "user" in roles else end
+    messages = [{"role": role, "content": None if every_turn and role == "assistant" and i > asked
+                 else _content(turn, i)}
                 for i, (role, turn) in enumerate(zip(roles[:end], turns), 1)]
     if not messages[-1]["content"] or messages[-1]["content"].isspace():
         raise _RowError(f"turn {end}, the one to answer, is empty")

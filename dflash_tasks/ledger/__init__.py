@@ -53,6 +53,9 @@ class TaskState:
     done: bool
     failed: bool = False  # in the failed registry: parked until `manage.py retry-failed`
     continuation: dict | None = None  # a truncated output to continue (regenerate --continue)
+    # A conversation's replies made so far (enqueue --turns all): each a turn record
+    # (output/rows.py's turn_record), the next reply generated after them.
+    turns: tuple[dict, ...] = ()
     # Dispatched to this GPU and not recalled since (a message of a recalled prompt is stale).
     in_flight_here: bool = True
     # A body kept on storage (bodies.py): `messages` is None, and the task reads it from there.
@@ -86,6 +89,7 @@ class TaskState:
         if isinstance(decoded, dict):
             reference = decoded.get("reference")
             return replace(self, messages=decoded["messages"], continuation=decoded.get("continue"),
+                           turns=tuple(decoded.get("turns") or ()),
                            bare_entry=reference.encode() if reference else None,
                            handed_on_chunk=self.body_reference if decoded.get("handed_on") else None)
         return replace(self, messages=decoded)
@@ -186,6 +190,7 @@ class Ledger:
         if isinstance(decoded, dict):
             reference = decoded.get("reference")
             return TaskState(messages=decoded["messages"], continuation=decoded.get("continue"),
+                             turns=tuple(decoded.get("turns") or ()),
                              bare_entry=reference.encode() if reference else None, **flags)
         return TaskState(messages=decoded, bare_entry=entry or None, **flags)
 

@@ -330,6 +330,10 @@ def render(reads: Reads, s: Settings) -> dict:
         "in_flight": sum(in_flight(reads, gpu) for gpu in reads.gpus),
         "retry_waiting": sum(reads.retry_waiting.values()),
         "remaining": left,
+        # A job of conversations (enqueue --turns all): the replies made, each conversation's
+        # last with its row, the others handed on to their next turn (next_round.lua).
+        "turns": {"replies": count(reads, "turns") + completed, "handed_on": count(reads, "turns")}
+        if job.turns == "all" else None,
         "retries": count(reads, "retries"),
         "retry_reasons": tally(reads, "retry"),
         "rate_per_sec": round(rate, 3),

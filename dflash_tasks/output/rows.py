@@ -3,6 +3,14 @@
     {"id", "conversations": [prompt turns..., {"role": "assistant", "content",
      "reasoning_content"}], "status", "metadata": {...}, "token_ids"?: {"prompt", "response"}}
 
+A conversation whose every reply was generated (`enqueue --turns all`, core/conversation.py) is
+one row too: `conversations` holds each reply, in place, with its reasoning; `metadata` counts the
+whole conversation (tokens summed over its replies, `finish_reason` its last reply's) and has
+`turns`, each reply's own figures, and `finish_reasons`; `token_ids` holds the last reply's
+`prompt` and `response` and `earlier_turns`, the others' `{"prompt", "response"}`: each reply's
+ids in the context it was generated in. A reply cut at the cap ends the conversation there; the
+turns left unanswered are `metadata.unanswered`.
+
 `status` is "success" only for a generation that ended by itself; a truncated one says
 "truncated" (finish_reason "length"), so it is never trained on as a finished answer by mistake.
 
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import time
 
+from dflash_tasks.core import conversation
 from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.core.keys import GpuName
 from dflash_tasks.sglang import Completion, ServerContract
@@ -22,6 +31,43 @@ from dflash_tasks.sglang import Completion, ServerContract
 
 def status_for(finish_reason: str) -> str:
     return {"stop": "success", "length": "truncated"}.get(finish_reason, finish_reason)
+
+
+def turn_record(c: Completion, *, gpu: GpuName, attempts: int) -> dict:
+    """One reply of a conversation, as its entry keeps it between turns and its row records it."""
+    turn = {"content": c.content, "reasoning_content": c.reasoning_content,
+            "finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens, "reasoning_tokens": c.reasoning_tokens,
+            "gpu": gpu, "latency_s": round(c.latency_s, 3), "attempts": attempts}
+    if c.worked:
+        turn["gpus"] = [share.stored() for share in c.worked]
+    if c.prompt_token_ids is not None and c.response_token_ids is not None:
+        turn["token_ids"] = {"prompt": c.prompt_token_ids, "response": c.response_token_ids}
+    return turn
+
+
+def build_conversation_row(prompt_id: str, script: list[dict], turns: list[dict], *,
+                           last: Completion, job: str, gpu: GpuName, params: GenerationParams,
+                           server: ServerContract) -> dict:
+    """The row of a conversation whose replies are `turns` (turn_record's, the last one's
+    Completion `last`): each reply in its place, the whole conversation's figures."""
+    replies = [{"role": "assistant", "content": t["content"],
+                "reasoning_content": t["reasoning_content"]} for t in turns]
+    messages = conversation.filled(script, replies[:-1])
+    row = build_row(prompt_id, messages, last, job=job, gpu=gpu, params=params,
+                    attempts=sum(t["attempts"] for t in turns), server=server)
+    meta = row["metadata"]
+    for name in ("prompt_tokens", "completion_tokens", "reasoning_tokens"):
+        meta[name] = sum(t[name] for t in turns)
+    meta["latency_s"] = round(sum(t["latency_s"] for t in turns), 3)
+    meta["finish_reasons"] = [t["finish_reason"] for t in turns]
+    meta["turns"] = [{k: v for k, v in t.items()
+                      if k not in ("content", "reasoning_content", "token_ids")} for t in turns]
+    if unanswered := conversation.after(script, len(turns) - 1):
+        meta["unanswered"] = unanswered
+    if "token_ids" in row:
+        row["token_ids"]["earlier_turns"] = [t.get("token_ids") for t in turns[:-1]]
+    return row
 
 
 def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, gpu: GpuName,

@@ -98,7 +98,7 @@ def repeated_samples(rows: list[dict], samples: int) -> int:
 
 
 def job_stats(r: redis.Redis, storage: Storage, job: JobName, *, max_tokens: int | None,
-              sample: int = 2000, samples: int = 1) -> dict:
+              sample: int = 2000, samples: int = 1, turns: str = "last") -> dict:
     raw = {k.decode(): int(v) for k, v in r.hgetall(job.counters).items()}
     completed = raw.get("completed", 0)
     prompts = raw.get("total", 0) // samples
@@ -119,6 +119,12 @@ def job_stats(r: redis.Redis, storage: Storage, job: JobName, *, max_tokens: int
         # enqueue --samples: rows a prompt gives, and how many it has so far on average
         "rows_per_prompt": {"samples": samples, "prompts": prompts,
                             "mean": round(completed / prompts, 2) if prompts else 0.0},
+        # enqueue --turns all: a row is a conversation; a reply cut at the cap ends it (its
+        # row's finish_reason is its last reply's), and its later turns are never generated.
+        "turns": {"conversations": completed, "replies": raw.get("turns", 0) + completed,
+                  "mean_replies": round((raw.get("turns", 0) + completed) / completed, 2)
+                  if completed else 0.0,
+                  "ended_by_length": finish.get("length", 0)} if turns == "all" else None,
         "per_gpu": {g: {"completed": raw.get(f"gpu:{g}:completed", 0),
                                 "output_tokens": raw.get(f"gpu:{g}:output_tokens", 0)} for g in gpus},
         "sample": {

@@ -47,7 +47,7 @@ from typing import Callable, TypeVar
 
 from celery.exceptions import Reject, Retry
 
-from dflash_tasks.core import jobs
+from dflash_tasks.core import conversation, jobs
 from dflash_tasks.core.connections import REDIS_DOWN, through_outage
 from dflash_tasks.core.jobs import GenerationParams, JobDeleted
 from dflash_tasks.core.keys import GENERATE_TASK, GpuName, JobName
@@ -56,7 +56,7 @@ from dflash_tasks.dispatch import publish, topup, window
 from dflash_tasks.dispatch.retry import RetryPolicy
 from dflash_tasks.ledger import TaskState, bodies
 from dflash_tasks.ledger.messages import compress_messages_json, encode_messages
-from dflash_tasks.output.rows import build_row
+from dflash_tasks.output.rows import build_conversation_row, build_row, turn_record
 from dflash_tasks.output.storage import (
     StorageCorrupt,
     StorageDenied,
@@ -145,6 +145,9 @@ def _generate(self, job: JobName, prompt_id: str, gpu: GpuName, tries: int) -> d
                                                 "delivery, handed to another GPU, or its job deleted"}
         state = state.with_body(decoded)
     messages = state.messages
+    # A conversation's next reply is generated after its earlier ones (core/conversation.py).
+    context = conversation.context(messages, [t["content"] for t in state.turns]) \
+        if conversation.is_script(messages) else messages
     job_params = GenerationParams.from_dict(state.params)
     ongoing = _ongoing(state, job_params)
     params = ongoing.params if ongoing is not None else job_params
@@ -173,11 +176,11 @@ def _generate(self, job: JobName, prompt_id: str, gpu: GpuName, tries: int) -> d
                            made=None)
         cap = _request_cap(client, server, state, ongoing, params)
         with shutdown.tracked(job, prompt_id, rid, lambda: client.abort(rid)):
-            seed = jobs.request_seed(job, prompt_id)
+            seed = jobs.request_seed(job, prompt_id, len(state.turns))
             if ongoing is not None:
                 answer = ongoing.request(client, until=cap, rid=rid, seed=seed)
             else:
-                answer = client.chat(messages, max_tokens=cap, sampling=params.sampling(),
+                answer = client.chat(context, max_tokens=cap, sampling=params.sampling(),
                                      enable_thinking=params.enable_thinking, rid=rid, seed=seed)
         # Cut at the end of its round, it goes on in the next. So does one whose prompt and the
         # job's cap overflow the context: the next request asks for the whole cap, which the
@@ -279,12 +282,23 @@ def _complete(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState, mess
               completion: Completion, params: GenerationParams, server, *, attempts: int,
               made: tuple[int, float]) -> dict:
     """Record the row once; `made`: the tokens this request generated here and its seconds
-    (this GPU's speed and rate)."""
-    row = build_row(prompt_id, messages, completion, job=job, gpu=gpu, params=params,
-                    attempts=attempts, server=server)
+    (this GPU's speed and rate). A conversation's reply that is not its last goes on to the next
+    (_next_turn); its row, once every reply is made or one is cut at the cap, holds them all."""
+    bare_entry = state.bare_entry
+    if conversation.is_script(messages):
+        turns = [*state.turns, turn_record(completion, gpu=gpu, attempts=attempts)]
+        if completion.finish_reason == "stop" and len(turns) < conversation.replies(messages):
+            return _next_turn(job, prompt_id, gpu, state, turns, made[0])
+        row = build_conversation_row(prompt_id, messages, turns, last=completion, job=job,
+                                     gpu=gpu, params=params, server=server)
+        # The index of rows keeps the script, which a regenerate starts from again.
+        bare_entry = bare_entry or encode_messages(messages)
+    else:
+        row = build_row(prompt_id, messages, completion, job=job, gpu=gpu, params=params,
+                        attempts=attempts, server=server)
     recorded = durable("recording the row",
                        lambda: runtime().book.complete(job, prompt_id, gpu, row,
-                                                       bare_entry=state.bare_entry, made=made))
+                                                       bare_entry=bare_entry, made=made))
     if recorded:
         _drop_handed_on(job, state)
     return {"id": prompt_id, "finish_reason": completion.finish_reason,
@@ -387,17 +401,27 @@ def _kept_reference(state: TaskState) -> bytes | None:
     return bare if bare is not None and bodies.is_reference(bare) else None
 
 
-def _entry(job: JobName, messages: list[dict], ongoing: Ongoing, state: TaskState) -> bytes:
-    """The prompt's entry that goes on from `ongoing`, as `prompts` stores it (store_entry)."""
+def _entry(job: JobName, messages: list[dict], ongoing: Ongoing | None, state: TaskState,
+           turns: list[dict] | tuple[dict, ...] | None = None) -> bytes:
+    """The prompt's entry that goes on from `ongoing` (None: from the start of a reply) after a
+    conversation's replies `turns` (the state's by default), as `prompts` stores it
+    (store_entry)."""
     return store_entry(runtime().book.r, get_settings(), job,
-                       entry_frame(messages, ongoing, _kept_reference(state)),
+                       entry_frame(messages, ongoing, _kept_reference(state),
+                                   state.turns if turns is None else turns),
                        readers=runtime().pool_size())
 
 
-def entry_frame(messages: list[dict], ongoing: Ongoing, reference: bytes | None) -> bytes:
-    """A generation's entry, compressed: its prompt, where it stands, and the reference of a
-    prompt whose text is kept on storage (for the index of rows by finish reason)."""
-    entry: dict = {"messages": messages, "continue": ongoing.entry(), "handed_on": True}
+def entry_frame(messages: list[dict], ongoing: Ongoing | None, reference: bytes | None,
+                turns: list[dict] | tuple[dict, ...] = ()) -> bytes:
+    """A generation's entry, compressed: its prompt, a conversation's replies made so far, where
+    the one being generated stands, and the reference of a prompt whose text is kept on storage
+    (for the index of rows by finish reason)."""
+    entry: dict = {"messages": messages, "handed_on": True}
+    if ongoing is not None:
+        entry["continue"] = ongoing.entry()
+    if turns:
+        entry["turns"] = list(turns)
     if reference is not None:
         entry["reference"] = reference.decode()
     return compress_messages_json(json.dumps(entry, separators=(",", ":")).encode())
@@ -472,6 +496,8 @@ def _hand_over(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState,
     grown = (ongoing or Ongoing.started(partial, params)).went_on(part, gpu, attempts)
     if params.continuable:
         frame = _entry(job, state.messages, grown, state)
+    elif state.turns:  # the reply starts over there, after the conversation's earlier ones
+        frame = _entry(job, state.messages, None, state)
     else:
         frame = state.bare_entry or encode_messages(state.messages)
     if not durable("handing the generation over", window.hand_over, book.r, job, prompt_id, gpu,
@@ -505,6 +531,23 @@ def _next_round(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState, gr
         return {"id": prompt_id, "skipped": "no longer in flight here: not handed on"}
     _drop_handed_on(job, state)
     return {"id": prompt_id, "next_round": True, "tokens": tokens}
+
+
+def _next_turn(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState,
+               turns: list[dict], tokens: int) -> dict:
+    """A conversation's reply made, and more to make: its entry now holds the replies so far,
+    and it goes to the front of pending (next_round.lua), where this GPU's refill, right after,
+    most likely takes it, its context in the server's prefix cache. The conversations in
+    progress are those in flight, not every one started: their entries are what Redis holds.
+    Only while the prompt's entry is still the one this reply started from (a stale second
+    delivery hands nothing on)."""
+    if not durable("handing the conversation to its next reply", window.next_round,
+                   runtime().book.r, job, prompt_id, gpu,
+                   _entry(job, state.messages, None, state, turns), tokens, state.entry_digest,
+                   turn=True):
+        return {"id": prompt_id, "skipped": "no longer in flight here: not handed on"}
+    _drop_handed_on(job, state)
+    return {"id": prompt_id, "next_turn": len(turns), "tokens": tokens}
 
 
 def _refill(job: JobName, gpu: GpuName) -> None:

@@ -1,6 +1,7 @@
 """A torch IterableDataset over a job's shipped batches (a local directory or S3, through the
 manifest), yielding tokenized training samples: `{"id", "input_ids", "loss_mask",
-"attention_mask"}` (1-D int64 tensors), only for rows that pass the quality gate's rules.
+"attention_mask"}` (1-D int64 tensors), only for rows that pass the quality gate's rules; a
+conversation whose every reply was generated gives one sample per reply (training/data/turns.py).
 
     from dflash_tasks.training.torch_dataset import JobDataset
     ds = JobDataset("my-job", "s3://bucket/prefix", follow=True)
@@ -57,6 +58,7 @@ from dflash_tasks.training.data.reader import (
     superseded_rows,
 )
 from dflash_tasks.training.data.tokens import ChatTemplate, TokenizeError, tokenize_row
+from dflash_tasks.training.data.turns import training_rows
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +202,17 @@ class JobDataset(IterableDataset):
             if rid in seen:
                 self.stats["dropped:duplicate"] += 1
                 continue
+            kept = False
+            for sample in self._samples(training_rows(row), template):
+                kept = True
+                yield sample
+            if kept:  # a copy dropped by the rules leaves a later one its chance
+                seen.add(rid)
+
+    def _samples(self, rows: list[dict], template: ChatTemplate | None) -> Iterator[dict]:
+        """The samples of one row (a conversation's: one per reply, training/data/turns.py)."""
+        for row in rows:
+            rid = str(row.get("id"))
             try:
                 tok = tokenize_row(row, template)
             except TokenizeError:
@@ -208,7 +221,6 @@ class JobDataset(IterableDataset):
             if reason:
                 self.stats[f"dropped:{reason}"] += 1
                 continue
-            seen.add(rid)
             self.stats["yielded"] += 1
             if not self.tensors:
                 yield {"id": rid, "input_ids": tok.input_ids, "loss_mask": tok.loss_mask}

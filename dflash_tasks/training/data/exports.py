@@ -11,6 +11,9 @@ training reads:
 - `parquet`: one file with `id`, `conversations`, `status`, `input_ids`, `loss_mask` and the
   generation metadata, for `datasets.load_dataset("parquet", ...)`.
 
+A conversation whose every reply was generated (`enqueue --turns all`) is one training row per
+reply, ending at it, in its own context (turns.py).
+
 Every format writes, beside its data file, `<stem>.export_report.json` (rows read, kept, dropped
 per reason, the gate's figures) and `<stem>.dropped.jsonl` (`{"id", "reason"}` per dropped row),
 named after its data file so that several formats exported to one directory keep their own
@@ -39,6 +42,7 @@ from dflash_tasks.training.data.tokens import (
     row_thinking,
     tokenize_row,
 )
+from dflash_tasks.training.data.turns import training_rows
 
 FORMATS = ("specforge-conversations", "specforge-tokenized", "parquet")
 FILES = {"specforge-conversations": "conversations.jsonl",
@@ -80,8 +84,9 @@ def checked_rows(storage: Storage, job: str, report: Report, *, template: ChatTe
         if on_batch:
             on_batch(rec)
 
-    for row in NewestRows(storage, job, records=records, on_batch=reading, on_duplicate=duplicate,
-                          limit=limit):
+    for row in (view for newest in NewestRows(storage, job, records=records, on_batch=reading,
+                                              on_duplicate=duplicate, limit=limit)
+                for view in training_rows(newest)):
         try:
             tok = tokenize_row(row, template)
         except TokenizeError as exc:
