@@ -350,10 +350,10 @@ def test_every_reply_of_a_conversation_reaches_specforge_once_in_its_own_context
     replies' reasoning dropped (expand_reasoning_conversations.py's view): through the tokenized
     path exactly the server's ids of that reply's request, its response alone under the loss;
     through the conversations path the same, up to the differences docs/TRAINING_DATA.md names."""
-    from dflash_tasks.training.data.turns import training_rows
+    from dflash_tasks.core.conversation import reply_rows
 
     rows = conversation_rows(sim_url)
-    views = {v["id"]: v for row in rows for v in training_rows(row)}
+    views = {v["id"]: v for row in rows for v in reply_rows(row)}
     replies = sum(len(r["metadata"]["turns"]) for r in rows)
     assert len(views) == replies > len(rows)
     assert any(r["status"] == "truncated" and len(r["metadata"]["turns"]) < 3 for r in rows)

@@ -96,7 +96,11 @@ def test_every_turn_of_five_turn_conversations_is_the_targets_in_its_own_context
     made = Counter(check_turns(row, source[row["id"]]) for row in rows)
     assert made[TURNS] >= 50  # the others ended early, on a reply cut at the cap
     replies = sum(n * k for n, k in made.items())
-    assert counters(c, "chat")["turns"] == replies - 60
+    books = counters(c, "chat")
+    assert books["turns"] == replies - 60
+    # Some replies ran past a round of the end game (this small job is in rounds from its
+    # start: the sim's lengths are fixed by the context) and went on from their ids, in turn.
+    assert books["rounds"] > 0
     assert c.status("chat")["turns"] == {"replies": replies, "handed_on": replies - 60}
     # Training reads one row per reply, ending at it, in the context it was generated in: its
     # request's prompt ids, its response alone under the loss (tests/test_specforge.py hands the
@@ -140,6 +144,27 @@ def test_a_turn_cut_at_the_cap_ends_its_conversation(cluster, tmp_path):
     assert cut and any(len(r["metadata"]["turns"]) < TURNS for r in cut)
     stats = json.loads(c.manage("stats", "--job", "cut", "--json").stdout)
     assert stats["turns"]["ended_by_length"] == len(cut)
+
+    # The cap raised, the conversations cut go on: the reply cut continues from its ids, and
+    # the turns it left unanswered are generated after it, each in its context.
+    c.manage("set", "--job", "cut", "--max-output-tokens", str(CAP))
+    c.manage("regenerate", "--job", "cut", "--finish-reason", "length", "--continue")
+    c.wait_done("cut", timeout=600)
+    rows = c.rows("cut")
+    newest = {r["id"]: r for r in rows}  # batches in order: the newest row of each id last
+    assert len(newest) == 30
+    for row in newest.values():
+        check_turns(row, source[row["id"]])
+    for old in cut:
+        new, k = newest[old["id"]], len(old["metadata"]["turns"]) - 1
+        before, after = old["token_ids"], new["token_ids"]
+        # Its earlier replies kept as they were, the one cut gone on from its own ids
+        assert after["earlier_turns"][:k] == before["earlier_turns"]
+        went_on = [*after["earlier_turns"], after][k]["response"]
+        assert went_on[:len(before["response"])] == before["response"]
+        assert len(went_on) > len(before["response"])
+    assert sum(len(newest[r["id"]]["metadata"]["turns"]) for r in cut) > \
+        sum(len(r["metadata"]["turns"]) for r in cut)
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Sequence
 
+from dflash_tasks.core import conversation
 from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.sglang.client import Completion, Generation, SGLangClient
 from dflash_tasks.sglang.reasoning import split_reasoning
@@ -226,13 +227,22 @@ def reasoning_tokens(ids: Sequence[int], think_end: Sequence[int], enable_thinki
 
 
 def entry_from_row(row: dict, *, continue_output: bool, cap: int) -> dict:
-    """The prompt entry that brings a finished row back (regenerate): its messages, and with
+    """The prompt entry that brings a finished row back (regenerate): its messages (a
+    conversation's script: every reply made again, or with continue_output the one cut at the
+    cap going on after the others, then the turns it left unanswered), and with
     continue_output, for a row cut by the cap whose token ids it kept, the generation that goes
     on from them with its own sampling parameters (`cap`: the job's now). A penalised row starts over instead: SGLang's penalties count
     only a request's own output, so going on would not sample as one request did."""
-    entry: dict = {"messages": row["conversations"][:-1]}
-    if continue_output and row.get("token_ids") and row["metadata"]["finish_reason"] == "length":
-        ongoing = Ongoing.from_row(row, cap)
+    script = conversation.script_of(row)
+    if script is not None:  # a conversation (enqueue --turns all): its script again
+        entry: dict = {"messages": script}
+        last = conversation.reply_rows(row)[-1]  # its last reply, as a row of its own
+    else:
+        entry, last = {"messages": row["conversations"][:-1]}, row
+    if continue_output and last.get("token_ids") and last["metadata"]["finish_reason"] == "length":
+        ongoing = Ongoing.from_row(last, cap)
         if ongoing.params.continuable:
             entry["continue"] = ongoing.entry()
+            if script is not None:  # its earlier replies stay; the last goes on
+                entry["turns"] = conversation.turn_records(row)
     return entry

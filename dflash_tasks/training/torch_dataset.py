@@ -1,7 +1,7 @@
 """A torch IterableDataset over a job's shipped batches (a local directory or S3, through the
 manifest), yielding tokenized training samples: `{"id", "input_ids", "loss_mask",
 "attention_mask"}` (1-D int64 tensors), only for rows that pass the quality gate's rules; a
-conversation whose every reply was generated gives one sample per reply (training/data/turns.py).
+conversation whose every reply was generated gives one sample per reply (core/conversation.py).
 
     from dflash_tasks.training.torch_dataset import JobDataset
     ds = JobDataset("my-job", "s3://bucket/prefix", follow=True)
@@ -40,6 +40,7 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from dflash_tasks.core.conversation import reply_rows
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.output.batches import read_batch
 from dflash_tasks.output.progress import read_progress
@@ -58,7 +59,6 @@ from dflash_tasks.training.data.reader import (
     superseded_rows,
 )
 from dflash_tasks.training.data.tokens import ChatTemplate, TokenizeError, tokenize_row
-from dflash_tasks.training.data.turns import training_rows
 
 log = logging.getLogger(__name__)
 
@@ -203,14 +203,14 @@ class JobDataset(IterableDataset):
                 self.stats["dropped:duplicate"] += 1
                 continue
             kept = False
-            for sample in self._samples(training_rows(row), template):
+            for sample in self._samples(reply_rows(row), template):
                 kept = True
                 yield sample
             if kept:  # a copy dropped by the rules leaves a later one its chance
                 seen.add(rid)
 
     def _samples(self, rows: list[dict], template: ChatTemplate | None) -> Iterator[dict]:
-        """The samples of one row (a conversation's: one per reply, training/data/turns.py)."""
+        """The samples of one row (a conversation's: one per reply, core/conversation.py)."""
         for row in rows:
             rid = str(row.get("id"))
             try:

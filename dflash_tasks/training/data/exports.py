@@ -12,7 +12,7 @@ training reads:
   generation metadata, for `datasets.load_dataset("parquet", ...)`.
 
 A conversation whose every reply was generated (`enqueue --turns all`) is one training row per
-reply, ending at it, in its own context (turns.py).
+reply, ending at it, in its own context (core/conversation.py).
 
 Every format writes, beside its data file, `<stem>.export_report.json` (rows read, kept, dropped
 per reason, the gate's figures) and `<stem>.dropped.jsonl` (`{"id", "reason"}` per dropped row),
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
+from dflash_tasks.core.conversation import reply_rows
 from dflash_tasks.output.storage import Storage
 from dflash_tasks.training.data.gate import REASONS, Report, Rules, Thresholds, check_row
 from dflash_tasks.training.data.reader import NewestRows, job_storage, manifest_records
@@ -42,7 +43,6 @@ from dflash_tasks.training.data.tokens import (
     row_thinking,
     tokenize_row,
 )
-from dflash_tasks.training.data.turns import training_rows
 
 FORMATS = ("specforge-conversations", "specforge-tokenized", "parquet")
 FILES = {"specforge-conversations": "conversations.jsonl",
@@ -86,7 +86,7 @@ def checked_rows(storage: Storage, job: str, report: Report, *, template: ChatTe
 
     for row in (view for newest in NewestRows(storage, job, records=records, on_batch=reading,
                                               on_duplicate=duplicate, limit=limit)
-                for view in training_rows(newest)):
+                for view in reply_rows(newest)):
         try:
             tok = tokenize_row(row, template)
         except TokenizeError as exc:
