@@ -23,12 +23,15 @@ decode speed, the real run's output-length distribution), all started here as pr
 14. the end game's Redis at 64 GPUs x 64 slots: ~47,000 generations of 8,192 random ids
    handed on between rounds                                            goal < 200 MB
 15. the end game's moves on prompt ids that begin one another: every abort is a move's own
+16. conversations whose every reply is generated (`--turns all`) against a single-turn job of
+   the same replies: throughput                                        goal >= 0.90
 
 Cases 1-3 run the project and the baseline (benchmarks/baseline.py: one asyncio process, a static
 round-robin split, a semaphore per server) at the same time, each on its own four servers, so both
 see the same machine. The table goes to stdout and to benchmarks/RESULTS.md.
 
-    .venv/bin/python -m benchmarks [--quick] [--cases 1,2,4,5,6,7,8,10,11,12,13,14,15] [--results PATH]
+    .venv/bin/python -m benchmarks [--quick] [--cases 1,2,4,5,6,7,8,10,11,12,13,14,15,16]
+        [--results PATH]
 """
 from __future__ import annotations
 
@@ -53,14 +56,14 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import data, measure, profile, report, seed_run  # noqa: E402
+from benchmarks import conversations, data, measure, profile, report, seed_run  # noqa: E402
 from dflash_dev.local import LocalCluster, free_port, wait_until  # noqa: E402
 from dflash_tasks.core.keys import JobName  # noqa: E402
 from dflash_tasks.core.settings import Settings  # noqa: E402
 from dflash_tasks.ingest.prompts import read_prompts  # noqa: E402
 
 README = ROOT / "README.md"
-DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12,13,14,15"
+DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12,13,14,15,16"
 CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path(tempfile.gettempdir()) / "dflash-bench"))
 
 
@@ -662,6 +665,8 @@ def main() -> None:
             results["case14"] = seed_run.endgame_redis_case(work)
         if "15" in cases:
             results["case15"] = seed_run.colliding_ids_case(work)
+        if "16" in cases:
+            results["case16"] = conversations.multi_turn_case(work)
     finally:
         results["bench_wall_s"] = time.monotonic() - started
         (work / "results.json").write_text(json.dumps(results, indent=1))

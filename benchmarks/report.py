@@ -190,6 +190,14 @@ def _seed_rows(res: dict) -> list[tuple]:
                   " requests aborted / moves; requests no move or round explains",
             "aborted = moves; 0", f"{c15['aborted']:,} / {c15['moved']:,}; {c15['extra_requests']:,}",
             "—", c15["aborted"] == c15["moved"] and c15["extra_requests"] == 0))
+    if c16 := res.get("case16"):
+        rows.append((
+            "16", f"{c16['conversations']:,} conversations of {c16['turns']} turns, every reply"
+                  f" generated ({c16['replies']:,} replies): output tokens/s against a single-turn"
+                  " job of the same replies", f"≥ {c16['goal']:.2f}x",
+            f"{c16['throughput_ratio']:.3f}x ({c16['multi']['output_tokens_per_s']:,.0f} tokens/s)",
+            f"{c16['single']['output_tokens_per_s']:,.0f} tokens/s (the single-turn job"
+            + ("" if c16["same_work"] else "; NOT the same work") + ")", c16["met"]))
     return rows
 
 
@@ -446,8 +454,21 @@ def render(res: dict) -> str:
 
 
 def _seed_measured(res: dict) -> list[str]:
-    """How cases 10-12 and 14 were measured (benchmarks/seed_run.py)."""
+    """How cases 10-12 and 14-16 were measured (benchmarks/seed_run.py, conversations.py)."""
     out = []
+    if c16 := res.get("case16"):
+        m, s = c16["multi"], c16["single"]
+        out += [
+            f"- **Case 16.** {c16['conversations']:,} ShareGPT-style conversations of"
+            f" {c16['turns']} user turns, `enqueue --turns all`, on {c16['servers']} simulated"
+            f" servers of {c16['slots']} slots at {c16['decode_tps']:g} tokens/s per request:"
+            f" {c16['replies']:,} replies, {c16['handed_on']:,} handed on to their next turn,"
+            f" {c16['rounds']:,} rounds; makespan {m['makespan_s']:.1f} s, occupancy"
+            f" {m['occupancy']:.3f}. Then each reply's context as a prompt of its own (the same"
+            f" prompt ids, so the same replies: {'the same' if c16['same_work'] else 'NOT the same'}"
+            f" output tokens) on fresh servers: makespan {s['makespan_s']:.1f} s, occupancy"
+            f" {s['occupancy']:.3f}.",
+            ""]
     if c15 := res.get("case15"):
         out += [
             f"- **Case 15.** {c15['prompts']} prompts whose ids begin one another (four per stem:"

@@ -109,23 +109,34 @@ def round_cap(s: Settings, max_tokens: int, generated: int, pending: int, slots:
     last starts are a round long at most (benchmarks, cases 7 and 13). `overflows`: the prompt
     and the job's cap exceed the model's context; the request asks for the whole cap, so the
     server refuses it in its own words, as it would without rounds."""
-    if s.endgame_round_tokens <= 0 or overflows or pending >= s.endgame_rounds_depth * slots:
+    if s.endgame_round_tokens <= 0 or overflows or not in_rounds(s, pending, slots):
         return max_tokens
     return min(max_tokens, generated + s.endgame_round_tokens)
 
 
+def in_rounds(s: Settings, pending: int, slots: int) -> bool:
+    """Whether the job is in its end game's rounds: fewer prompts pending than
+    endgame_rounds_depth per request its GPUs run at once (`slots`). A conversation's next reply
+    goes to the front of pending before (its conversation finishes before others start: those
+    in progress are about those in flight), to the back once in rounds (every conversation left
+    starts, and their turns take turns in the slots: chains of replies, each waiting on the
+    last, would otherwise end one by one in slots left idle)."""
+    return pending < s.endgame_rounds_depth * slots
+
+
 def next_round(r: redis.Redis, job: JobName, prompt_id: str, gpu: GpuName, entry: bytes,
                tokens: int, started_from: str, rate_bucket_s: int = 10, *,
-               turn: bool = False) -> bool:
+               turn: bool = False, front: bool = False) -> bool:
     """A generation cut at its round's end on `gpu`: its entry now the one that goes on from
-    there, to the back of pending (next_round.lua); with `turn`, a conversation's reply made,
-    to the front, for its next. False when the prompt left `gpu`, or its entry is no longer the
-    one of SHA-1 `started_from` (ledger.TaskState.entry_digest), meanwhile (nothing moved)."""
+    there, to the back of pending (next_round.lua), or the `front`; with `turn`, a
+    conversation's reply made, for its next (counted as a turn, not a round). False when the
+    prompt left `gpu`, or its entry is no longer the one of SHA-1 `started_from`
+    (ledger.TaskState.entry_digest), meanwhile (nothing moved)."""
     return bool(NEXT_ROUND(r, inflight=job.inflight(gpu), prompts=job.prompts,
                            pending=job.pending, counters=job.counters, config=job.config,
                            rate=job.rate, id=prompt_id, entry=entry, tokens=tokens,
                            started_from=started_from, gpu=gpu, rate_bucket_s=rate_bucket_s,
-                           turn="1" if turn else "0"))
+                           turn="1" if turn else "0", front="1" if front else "0"))
 
 
 def migrations(r: redis.Redis, gpu: GpuName, timeout_s: float) -> tuple[str, str] | None:

@@ -255,11 +255,16 @@ def _request_cap(client: SGLangClient, server, state: TaskState, ongoing: Ongoin
     penalised one, a reasoning parser not reproduced: ongoing.py) is never cut."""
     if not (params.continuable and reasoning.supported(server.reasoning_parser)):
         return params.max_tokens
-    s = get_settings()
     return window.round_cap(
-        s, params.max_tokens, ongoing.generated if ongoing is not None else 0, state.pending,
-        (runtime().concurrency or s.default_concurrency) * max(1, state.job_gpus),
+        get_settings(), params.max_tokens, ongoing.generated if ongoing is not None else 0,
+        state.pending, _slots(state),
         overflows=ongoing is not None and _overflows(client, len(ongoing.prompt_ids), params))
+
+
+def _slots(state: TaskState) -> int:
+    """The requests the job's GPUs run at once (read with the prompt): whether it is in the end
+    game's rounds (window.in_rounds)."""
+    return (runtime().concurrency or get_settings().default_concurrency) * max(1, state.job_gpus)
 
 
 def _record(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState, messages: list[dict],
@@ -539,11 +544,15 @@ def _next_turn(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState,
     and it goes to the front of pending (next_round.lua), where this GPU's refill, right after,
     most likely takes it, its context in the server's prefix cache. The conversations in
     progress are those in flight, not every one started: their entries are what Redis holds.
-    Only while the prompt's entry is still the one this reply started from (a stale second
-    delivery hands nothing on)."""
+    In the end game's rounds it goes to the back instead (window.in_rounds), so the last
+    conversations run side by side instead of one chain of replies per slot (benchmarks, case
+    16: 0.95x the throughput of the same replies as single-turn prompts, 0.89x always to the
+    front). Only while the prompt's entry is still the one this reply started from (a stale
+    second delivery hands nothing on)."""
     if not durable("handing the conversation to its next reply", window.next_round,
                    runtime().book.r, job, prompt_id, gpu,
                    _entry(job, state.messages, None, state, turns), tokens, state.entry_digest,
+                   front=not window.in_rounds(get_settings(), state.pending, _slots(state)),
                    turn=True):
         return {"id": prompt_id, "skipped": "no longer in flight here: not handed on"}
     _drop_handed_on(job, state)

@@ -8,11 +8,12 @@
 -- counting it would count that round twice). Its row is recorded once whatever arrives.
 -- (generate.py also hands on this way a generation that ended while its text could not be
 -- decoded: tokens 0, and the next GPU only decodes it.)
--- A conversation's reply made, with more to make (enqueue --turns all), goes on the same way,
--- but to the *front* of pending (turn = '1'): the GPU that frees the slot takes it next, so the
--- conversations in progress, whose entries Redis holds, are about those in flight.
+-- A conversation's reply made, with more to make (enqueue --turns all), goes on the same way
+-- (turn = '1'), counted as a turn, and before the end game to the *front* of pending
+-- (front = '1'): the GPU that frees the slot takes it next, so the conversations in progress,
+-- whose entries Redis holds, are about those in flight.
 --- keys: inflight prompts pending counters config rate
---- args: id entry tokens started_from gpu rate_bucket_s turn
+--- args: id entry tokens started_from gpu rate_bucket_s turn front
 -- inflight: the GPU's the round ran on; tokens: what that round generated there (counted in
 -- the job's and the GPU's rates now, when it was made); started_from: the SHA-1 of the entry the
 -- round's task read. Returns 1 when it went back to pending, 0 otherwise.
@@ -27,16 +28,17 @@ if redis.call('ZREM', inflight, id) == 0 then
 end
 redis.call('HSET', prompts, id, entry)
 local made = tonumber(tokens)
-if turn == '1' then
+if front == '1' then
   redis.call('LPUSH', pending, id)
-  redis.call('HINCRBY', counters, 'turns', 1)
-  redis.call('HINCRBY', counters, 'turn_tokens', made)
 else
   redis.call('RPUSH', pending, id)
-  if made > 0 then
-    redis.call('HINCRBY', counters, 'rounds', 1)
-    redis.call('HINCRBY', counters, 'round_tokens', made)
-  end
+end
+if turn == '1' then
+  redis.call('HINCRBY', counters, 'turns', 1)
+  redis.call('HINCRBY', counters, 'turn_tokens', made)
+elseif made > 0 then
+  redis.call('HINCRBY', counters, 'rounds', 1)
+  redis.call('HINCRBY', counters, 'round_tokens', made)
 end
 if made > 0 then
   local now = tonumber(redis.call('TIME')[1])
