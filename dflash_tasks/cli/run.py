@@ -381,6 +381,9 @@ def _status_table(snap: dict, width: int | None = None) -> Table:
                                     f"(retries {snap.get('retries', 0):,})")
     t.add_row("waiting", f"pending {snap['pending']:,}, in flight {snap['in_flight']:,}, "
                          f"retry wait {snap.get('retry_waiting', 0):,}")
+    if turns := snap.get("turns"):  # a job of conversations: a row once its last reply is made
+        t.add_row("replies", f"{turns['replies']:,} made; {snap['completed']:,} conversations "
+                             "done")
     t.add_row("rate", f"{snap['rate_per_sec']:.2f} completions/s, "
                       f"{snap['output_tokens_per_sec']:,.0f} output tokens/s")
     t.add_row("tokens in / out", f"{snap['total_input_tokens']:,} / {snap['total_output_tokens']:,} "
