@@ -385,3 +385,49 @@ def test_file_that_is_not_parquet_raises_dataset_error(tmp_path):
     path.write_text('{"prompt": "hi"}\n')
     with pytest.raises(DatasetError, match="fake.parquet: cannot read Parquet"):
         list(iter_rows(path))
+
+
+# --- every reply regenerated (enqueue --turns all) ---------------------------------------------
+
+def test_every_turn_makes_a_script_with_a_slot_per_reply(tmp_path):
+    """Each run of assistant turns after the first user turn becomes one slot, its text unread
+    (a tool-calling turn has none); a leading assistant turn, which answers nothing, a system
+    turn and a tool turn keep their content; trailing replies are the last, implied."""
+    from dflash_tasks.core.conversation import SLOT, context, replies
+
+    row = {"conversations": [
+        {"role": "assistant", "content": "Welcome."},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": None, "tool_calls": [{"name": "f"}]},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "x"}, {"role": "assistant", "content": "y"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "the dataset's last answer"}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [row])
+    (script,) = [p.messages for p in read_prompts(path, every_turn=True)]
+    assert list(script) == [
+        {"role": "assistant", "content": "Welcome."}, {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "a"}, SLOT, {"role": "tool", "content": "42"}, SLOT,
+        {"role": "user", "content": "b"}]
+    assert replies(script) == 3
+    assert context(script, ["r1"])[-1] == {"role": "tool", "content": "42"}
+    assert context(script, ["r1", "r2"])[-2:] == [{"role": "assistant", "content": "r2"},
+                                                  {"role": "user", "content": "b"}]
+    # Without --turns all the tool-calling turn, which has no text, is a bad row.
+    (bad,) = list(iter_rows(path))
+    assert isinstance(bad, BadRow) and "turn 4 has no content" in bad.reason
+
+
+def test_every_turn_ids_ignore_the_datasets_replies(tmp_path):
+    """Two conversations that differ only in the replies the target regenerates are one prompt
+    under --turns all (their ids are the script's), and two under --turns last."""
+    a = {"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "one"},
+                           {"from": "human", "value": "q2"}]}
+    b = {"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "two"},
+                           {"from": "human", "value": "q2"}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [a, b])
+    summary = ReadSummary()
+    assert len(list(read_prompts(path, summary=summary, every_turn=True))) == 1
+    assert summary.duplicates == 1
+    assert len(list(read_prompts(path))) == 2

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 
+from dflash_tasks.core.conversation import reply_rows
 from dflash_tasks.core.keys import JobName
 from dflash_tasks.training.data.gate import Report, RowCheck, Rules, Thresholds, text_flags
 from dflash_tasks.training.data.tokens import row_thinking
@@ -118,7 +119,9 @@ def sample_quality(r, job: JobName, entries: list[tuple[str, dict]], *,
         pipe = r.pipeline()
         if fresh:
             # Pushed oldest first: the newest on top.
-            pipe.lpush(window_key, *(json.dumps(row_fact(row)) for _, row in fresh))
+            # A conversation's replies, each a training row of its own (reply_rows).
+            pipe.lpush(window_key, *(json.dumps(row_fact(view)) for _, row in fresh
+                                     for view in reply_rows(row)))
             pipe.ltrim(window_key, 0, window - 1)
             pipe.set(cursor_key, fresh[-1][0])
             pipe.incrby(sampled_key, len(fresh))
