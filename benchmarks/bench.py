@@ -25,12 +25,14 @@ decode speed, the real run's output-length distribution), all started here as pr
 15. the end game's moves on prompt ids that begin one another: every abort is a move's own
 16. conversations whose every reply is generated (`--turns all`) against a single-turn job of
    the same replies: throughput                                        goal >= 0.90
+17. what conversations between replies hold in Redis at 64 GPUs x 300 in flight, their prompts'
+   texts in Redis and on storage                                       goal < 200 MB on storage
 
 Cases 1-3 run the project and the baseline (benchmarks/baseline.py: one asyncio process, a static
 round-robin split, a semaphore per server) at the same time, each on its own four servers, so both
 see the same machine. The table goes to stdout and to benchmarks/RESULTS.md.
 
-    .venv/bin/python -m benchmarks [--quick] [--cases 1,2,4,5,6,7,8,10,11,12,13,14,15,16]
+    .venv/bin/python -m benchmarks [--quick] [--cases 1,2,4,5,6,7,8,10,11,12,13,14,15,16,17]
         [--results PATH]
 """
 from __future__ import annotations
@@ -63,7 +65,7 @@ from dflash_tasks.core.settings import Settings  # noqa: E402
 from dflash_tasks.ingest.prompts import read_prompts  # noqa: E402
 
 README = ROOT / "README.md"
-DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12,13,14,15,16"
+DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12,13,14,15,16,17"
 CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path(tempfile.gettempdir()) / "dflash-bench"))
 
 
@@ -667,6 +669,8 @@ def main() -> None:
             results["case15"] = seed_run.colliding_ids_case(work)
         if "16" in cases:
             results["case16"] = conversations.multi_turn_case(work)
+        if "17" in cases:
+            results["case17"] = conversations.conversations_redis_case(work)
     finally:
         results["bench_wall_s"] = time.monotonic() - started
         (work / "results.json").write_text(json.dumps(results, indent=1))

@@ -102,3 +102,78 @@ def multi_turn_case(work: Path, conversations: int = 400, turns: int = 5,
             "single": single, "same_work": same, "throughput_ratio": ratio, "goal": GOAL,
             "met": same and ratio >= GOAL, "handed_on": counters.get("turns", 0),
             "rounds": counters.get("rounds", 0)}
+
+
+def conversations_redis_case(work: Path, gpus: int = 64, in_flight: int = 300, replies: int = 4,
+                             reply_tokens: int = 1800) -> dict:
+    """Case 17: what conversations between their replies hold in Redis at the seed's fleet. With
+    each reply handed on to the front of pending, the conversations in progress are those in
+    flight: `gpus` x `in_flight` of them, each here with `replies` replies made of
+    `reply_tokens` random ids (which compress like real ones: not at all) and their text, handed
+    on by the worker's own code (generate.py's entry_frame and store_entry, next_round.lua).
+    Measured for a job whose prompts' texts wait in Redis (the entries inline) and one of
+    `--bodies storage` (a chunk each on the output storage, Redis a reference)."""
+    import hashlib
+    import random
+
+    from dflash_tasks.core import jobs
+    from dflash_tasks.core.conversation import SLOT
+    from dflash_tasks.core.settings import Settings
+    from dflash_tasks.dispatch import window
+    from dflash_tasks.ledger import Ledger
+    from dflash_tasks.ledger.messages import encode_messages
+    from dflash_tasks.tasks.generate import entry_frame, store_entry
+
+    root = work / "case17"
+    n = gpus * in_flight
+    rng = random.Random(17)
+    vocabulary = [f"{w}{i}" for i, w in enumerate("the proof follows since each term bounds an "
+                                                   "integral so consider we have".split() * 50)]
+
+    def text(words: int) -> str:
+        return " ".join(rng.choice(vocabulary) for _ in range(words))
+
+    script = [{"role": "system", "content": text(20)}]
+    for t in range(replies + 1):
+        script += [SLOT] if t else []
+        script.append({"role": "user", "content": text(60)})
+    context = 300
+    turns = []
+    for t in range(replies):
+        context += 80 + reply_tokens // 4
+        turns.append({"content": text(reply_tokens // 5), "reasoning_content": text(reply_tokens // 2),
+                      "finish_reason": "stop", "prompt_tokens": context,
+                      "completion_tokens": reply_tokens, "reasoning_tokens": reply_tokens * 3 // 4,
+                      "gpu": "gpu0@node0", "latency_s": 40.0, "attempts": 1,
+                      "token_ids": {"prompt": [rng.randrange(151643) for _ in range(context)],
+                                    "response": [rng.randrange(151643) for _ in range(reply_tokens)]}})
+    frames = [entry_frame(script, None, None, turns)]
+    out: dict = {"gpus": gpus, "in_flight": in_flight, "conversations": n, "replies": replies,
+                 "reply_tokens": reply_tokens, "entry_bytes": len(frames[0])}
+    for bodies in ("redis", "storage"):
+        job = JobName(f"turns-{bodies}")
+        with LocalCluster(root / bodies / "logs", env={}) as c:
+            r = redis.Redis.from_url(c.start_redis(free_port(), root / bodies / "redis"))
+            s = Settings(output_dir=root / bodies / "output")
+            jobs.save(r, job, jobs.GenerationParams(), selection=jobs.GpuSelection(), dataset="x",
+                      turns="all")
+            if bodies == "storage":
+                jobs.body_location(r, job, wanted=str(root / bodies / "output"))
+            gpu = "gpu0@node0"
+            Ledger(r).add_prompts(job, [(f"c{i:06d}", encode_messages(script)) for i in range(n)])
+            r.zadd(job.inflight(gpu), {f"c{i:06d}": 1 for i in range(n)})
+            before = int(r.info("memory")["used_memory"])
+            log(f"case 17: {n:,} conversations of {replies} replies handed on, bodies in {bodies}")
+            started = time.monotonic()
+            for i in range(n):
+                prompt_id = f"c{i:06d}"
+                started_from = hashlib.sha1(r.hget(job.prompts, prompt_id)).hexdigest()
+                kept = store_entry(r, s, job, frames[0])
+                assert window.next_round(r, job, prompt_id, gpu, kept, reply_tokens, started_from,
+                                         turn=True, front=True)
+            took = time.monotonic() - started
+            after = int(r.info("memory")["used_memory"])
+            out[bodies] = {"redis_growth_bytes": after - before,
+                           "prompts_hash_bytes": int(r.memory_usage(job.prompts, samples=0)),
+                           "hand_on_ms": 1000 * took / n}
+    return out

@@ -198,6 +198,16 @@ def _seed_rows(res: dict) -> list[tuple]:
             f"{c16['throughput_ratio']:.3f}x ({c16['multi']['output_tokens_per_s']:,.0f} tokens/s)",
             f"{c16['single']['output_tokens_per_s']:,.0f} tokens/s (the single-turn job"
             + ("" if c16["same_work"] else "; NOT the same work") + ")", c16["met"]))
+    if c17 := res.get("case17"):
+        st, inline = c17["storage"], c17["redis"]
+        rows.append((
+            "17", f"conversations between replies at {c17['gpus']} GPUs x {c17['in_flight']} in"
+                  f" flight: {c17['conversations']:,} with {c17['replies']} replies of"
+                  f" {c17['reply_tokens']:,} random ids, `--bodies storage` (the `prompts` hash /"
+                  " used_memory growth)", "< 200 MB",
+            f"{st['prompts_hash_bytes'] / 1e6:.1f} / {st['redis_growth_bytes'] / 1e6:+.1f} MB",
+            f"{inline['redis_growth_bytes'] / 1e6:,.0f} MB (prompts' texts in Redis: the entries"
+            " inline)", max(st["prompts_hash_bytes"], st["redis_growth_bytes"]) < 200e6))
     return rows
 
 
@@ -456,6 +466,19 @@ def render(res: dict) -> str:
 def _seed_measured(res: dict) -> list[str]:
     """How cases 10-12 and 14-16 were measured (benchmarks/seed_run.py, conversations.py)."""
     out = []
+    if c17 := res.get("case17"):
+        out += [
+            f"- **Case 17.** {c17['conversations']:,} conversations in flight ({c17['gpus']} GPUs x"
+            f" {c17['in_flight']}: with each reply handed on to the front of pending, those in"
+            f" progress), each handed on after {c17['replies']} replies of"
+            f" {c17['reply_tokens']:,} random token ids and their text by the worker's own code"
+            f" (`entry_frame`, `store_entry`, `next_round.lua`): an entry of"
+            f" {c17['entry_bytes'] / 1e3:.0f} KB compressed. A job of `--bodies storage` keeps it"
+            f" in a chunk on the output storage ({c17['storage']['hand_on_ms']:.1f} ms a hand-on)"
+            f" and Redis a reference; a job whose prompts' texts wait in Redis keeps it inline"
+            f" ({c17['redis']['hand_on_ms']:.1f} ms a hand-on): a fleet's conversations want"
+            " `--bodies storage`.",
+            ""]
     if c16 := res.get("case16"):
         m, s = c16["multi"], c16["single"]
         out += [

@@ -546,8 +546,7 @@ def _next_turn(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState,
     progress are those in flight, not every one started: their entries are what Redis holds.
     In the end game's rounds it goes to the back instead (window.in_rounds), so the last
     conversations run side by side instead of one chain of replies per slot (benchmarks, case
-    16: 0.95x the throughput of the same replies as single-turn prompts, 0.89x always to the
-    front). Only while the prompt's entry is still the one this reply started from (a stale
+    16). Only while the prompt's entry is still the one this reply started from (a stale
     second delivery hands nothing on)."""
     if not durable("handing the conversation to its next reply", window.next_round,
                    runtime().book.r, job, prompt_id, gpu,
