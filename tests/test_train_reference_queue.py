@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from failure_support import sim_hold, sim_release
 from support import wait_until
 from test_train_queue import generate, queue_run, run_status, wait_run
 from tiny_target import build_tiny_target
@@ -41,9 +42,13 @@ poll_s = 0.5
     c.start_worker(0)
     c.start_beat()
     c.start_train_worker()
+    # Held until the run is queued: on a loaded machine the two commands could take longer than
+    # the first rows, and the run would start before it was ever seen waiting.
+    sim_hold(c.url(0))
     generate(c, tmp_path, "ref", 6)
     run = queue_run(c, "--job", "ref", "--min-rows", "2", "--config", str(config))
     assert run_status(c, run)["status"] == "waiting"
+    sim_release(c.url(0))
 
     def progress_state():
         s = run_status(c, run)

@@ -30,12 +30,15 @@ SLOT = {"role": "assistant", "content": None}
 
 
 def is_slot(message: dict) -> bool:
-    return message.get("role") == "assistant" and message.get("content") is None
+    """Whether a message of a prompt is a reply to generate (a stored prompt's messages are not
+    checked again: one an older tool stored malformed is the server's to refuse)."""
+    return isinstance(message, dict) and message.get("role") == "assistant" \
+        and message.get("content") is None
 
 
 def is_script(messages: Sequence[dict]) -> bool:
     """Whether the prompt is a conversation of several replies to generate."""
-    return any(is_slot(m) for m in messages)
+    return isinstance(messages, list) and any(is_slot(m) for m in messages)
 
 
 def replies(messages: Sequence[dict]) -> int:
