@@ -2,6 +2,7 @@
 recent window, its cost independent of the job's size, and per-GPU liveness from heartbeats."""
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 from collections import Counter
@@ -157,6 +158,33 @@ def test_rate_is_over_the_recent_window_not_since_the_start(r):
     assert snap["nodes"]["a"]["request_throughput"] == pytest.approx(30 / span, rel=0.05)
     assert snap["nodes"]["a"]["gpus"] == 2
     assert snap["eta_hours"] == pytest.approx(70 / snap["rate_per_sec"] / 3600, rel=0.01)
+
+
+def test_a_conversation_jobs_eta_counts_its_replies_from_the_first_minutes(r):
+    """Before any conversation has ended, its replies are being made: the ETA of a job of
+    conversations (--turns all) is its replies left over the replies made per second, not
+    conversations over conversations done (none yet: no ETA at all)."""
+    from dflash_tasks.dispatch import window
+    from dflash_tasks.output.progress import RATE_BUCKET_S, snapshot
+
+    book = _job(r, "talk", 100)
+    k = JobName("talk")
+    r.hset(k.config, mapping={"turns": "all", "replies_per_prompt": "5.0000"})
+    for i in range(40):  # 40 conversations' first replies made, each handed on to its next
+        r.zadd(k.inflight(_gpu(i % 2)), {f"p{i}": 1})
+        entry = r.hget(k.prompts, f"p{i}")
+        assert window.next_round(r, k, f"p{i}", _gpu(i % 2), entry, 100,
+                                 hashlib.sha1(entry).hexdigest(), turn=True)
+    first = int(r.time()[0]) - 60
+    r.hset(k.counters, "first_completed_at", first)
+    snap = snapshot(r, k, _settings(rate_window_s=300))
+    assert snap["completed"] == 0 and snap["turns"] == {"replies": 40, "handed_on": 40}
+    assert snap["eta_hours"] is not None  # a rate of conversations done (none) would say nothing
+    book.complete(k, "p0", _gpu(0), _row(0, _gpu(0), 100, 1.0))
+    snap = snapshot(r, k, _settings(rate_window_s=300))
+    span = r.time()[0] - (first - first % RATE_BUCKET_S)
+    # 99 conversations left, 5 replies each, at 41 replies (40 handed on, 1 row) over the span
+    assert snap["eta_hours"] == pytest.approx(99 * 5 / (41 / span) / 3600, rel=0.02)
 
 
 def test_old_rate_buckets_are_pruned(r):

@@ -136,6 +136,8 @@ def enqueue(dataset: str, subset, split, name: JobName, limit, samples, turns, g
     try:
         prompts = with_samples(read_prompts(dataset, limit=limit, summary=summary, subset=subset,
                                             split=split, every_turn=turns == "all"), samples)
+        replies = ReplyTally(prompts)
+        prompts = iter(replies)
         with Progress(SpinnerColumn(), TextColumn("[bold]reading {task.description}"),
                       TextColumn("{task.completed:,} prompts"), TimeElapsedColumn(),
                       console=err_console, transient=True) as bar:
@@ -181,6 +183,8 @@ def enqueue(dataset: str, subset, split, name: JobName, limit, samples, turns, g
     get_settings().failpoint("enqueue.before_apply")
     expect, changes = _final_write(existing, dispatching.is_set(), params, selection, source,
                                    samples)
+    if turns == "all" and replies.prompts:  # its ETA counts the replies (progress.py)
+        changes["replies_per_prompt"] = f"{replies.mean:.4f}"
     wrong = book.update_job(name, expect, changes)
     if wrong:
         stored = f"its {added:,} new prompts are stored and counted" if added else \
@@ -292,6 +296,25 @@ def _samples_or_fail(existing: jobs.Job | None, samples: int | None) -> int:
                                    f"adds samples, never takes them back (--samples {samples}); "
                                    "nothing was stored")
     return samples
+
+
+class ReplyTally:
+    """The prompts read, counting the replies each asks for (core/conversation.py)."""
+
+    def __init__(self, prompts):
+        self.source, self.prompts, self.replies = prompts, 0, 0
+
+    def __iter__(self):
+        from dflash_tasks.core.conversation import replies
+
+        for prompt in self.source:
+            self.prompts += 1
+            self.replies += replies(prompt.messages)
+            yield prompt
+
+    @property
+    def mean(self) -> float:
+        return self.replies / self.prompts if self.prompts else 1.0
 
 
 def _turns_or_fail(existing: jobs.Job | None, turns: str | None) -> str:

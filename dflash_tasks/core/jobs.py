@@ -144,6 +144,9 @@ class Job:
     # reply after the dataset's own earlier ones, or "all", every reply in the context of the
     # target's own earlier ones (core/conversation.py). Fixed by the job's first enqueue.
     turns: str = "last"
+    # The replies a prompt asks for on average (core/conversation.py's replies), as its last
+    # enqueue read them: a job of conversations' ETA (output/progress.py). 1 for one reply each.
+    replies_per_prompt: float = 1.0
     # The config hash exactly as read: what a command's compare-and-set expects to find again.
     stored: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -163,7 +166,8 @@ def load(r: redis.Redis, name: JobName) -> Job | None:
                                       nodes=tuple(n for n in d.get("nodes", "").split(",") if n)),
                dataset=d.get("dataset", ""), created_at=float(d.get("created_at", 0)),
                output=d.get("output", ""), samples=int(d.get("samples") or 1),
-               turns=d.get("turns") or "last", stored=d)
+               turns=d.get("turns") or "last",
+               replies_per_prompt=float(d.get("replies_per_prompt") or 1.0), stored=d)
 
 
 def config_fields(params: GenerationParams, selection: GpuSelection) -> dict[str, str]:

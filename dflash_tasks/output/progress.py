@@ -62,8 +62,9 @@ ALIASES = {
 def rate_series(gpus: list[GpuName]) -> list[str]:
     """The series complete.lua counts in the rate hash, each as "<series>:<bucket>": the job's
     completions ("c"), output tokens ("t") and input tokens ("i"), and per GPU its completions
-    and output tokens ("<gpu>:c", "<gpu>:t")."""
-    return ["c", "t", "i", *(f"{gpu}:{kind}" for gpu in gpus for kind in ("c", "t"))]
+    and output tokens ("<gpu>:c", "<gpu>:t"); and next_round.lua a conversation's replies
+    handed on to their next turn ("r")."""
+    return ["c", "t", "i", "r", *(f"{gpu}:{kind}" for gpu in gpus for kind in ("c", "t"))]
 
 
 def rate_fields(bucket: int, gpus: list[GpuName]) -> list[str]:
@@ -213,6 +214,19 @@ def per_second(reads: Reads, series: str) -> float:
     return reads.window[series] / span if span > 0 else 0.0
 
 
+def eta_hours(reads: Reads, left: int, rate: float) -> float | None:
+    """The time left at the rate of the window: prompts left over completions per second; for a
+    job of conversations (enqueue --turns all), replies: each conversation left as many as the
+    dataset's conversations have on average, over the replies made per second (handed on or
+    ending a row), so a conversation's turns, each waiting on the last, count as the work they
+    are from the first minutes, before any conversation has ended. None unless running."""
+    if reads.job.status != "running":
+        return None
+    if reads.job.turns == "all" and reads.job.replies_per_prompt:
+        left, rate = left * reads.job.replies_per_prompt, rate + per_second(reads, "r")
+    return round(left / rate / 3600, 3) if rate > 0 else None
+
+
 def remaining(reads: Reads) -> int:
     return max(0, count(reads, "total") - count(reads, "completed") - count(reads, "failed"))
 
@@ -341,8 +355,7 @@ def render(reads: Reads, s: Settings) -> dict:
         "input_throughput": round(per_second(reads, "i"), 1),
         "rate_window_s": s.rate_window_s,
         # Only a running job ends: a paused, cancelled or done one has no time left to show.
-        "eta_hours": round(left / rate / 3600, 3) if rate > 0 and job.status == "running"
-        else None,
+        "eta_hours": eta_hours(reads, left, rate),
         "elapsed_hours": round((now - job.created_at) / 3600, 4),
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,

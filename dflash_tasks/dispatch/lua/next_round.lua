@@ -33,16 +33,17 @@ if front == '1' then
 else
   redis.call('RPUSH', pending, id)
 end
+local now = tonumber(redis.call('TIME')[1])
+local bucket = now - now % tonumber(rate_bucket_s)
 if turn == '1' then
   redis.call('HINCRBY', counters, 'turns', 1)
   redis.call('HINCRBY', counters, 'turn_tokens', made)
+  redis.call('HINCRBY', rate, 'r:' .. bucket, 1)  -- a reply made (progress.py's reply rate)
 elseif made > 0 then
   redis.call('HINCRBY', counters, 'rounds', 1)
   redis.call('HINCRBY', counters, 'round_tokens', made)
 end
 if made > 0 then
-  local now = tonumber(redis.call('TIME')[1])
-  local bucket = now - now % tonumber(rate_bucket_s)
   redis.call('HINCRBY', rate, 't:' .. bucket, made)
   redis.call('HINCRBY', rate, gpu .. ':t:' .. bucket, made)
 end
