@@ -144,7 +144,8 @@ def turn_records(row: dict) -> list[dict]:
     out = []
     for view in reply_rows(row)[:-1]:
         reply, meta = view["conversations"][-1], view["metadata"]
-        record = {"content": reply.get("content"), "reasoning_content": reply.get("reasoning_content"),
+        record = {"content": reply.get("content"),
+                  "reasoning_content": reply.get("reasoning_content"),
                   **{f: meta[f] for f in TURN_FIELDS if f in meta}}
         if "token_ids" in view:
             record["token_ids"] = view["token_ids"]
