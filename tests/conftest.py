@@ -126,6 +126,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 # The longest files first, so that with pytest-xdist (make test: --dist loadfile) they do not
 # start last and leave the other workers idle at the end. Seconds measured on 2 cores.
 LONGEST_FIRST = ["test_chaos.py", "test_operate.py", "test_failures.py",  # ~200 s each
+                 "test_slurm.py",
                  "test_train_reference_queue.py", "test_s3_batches.py", "test_pipeline.py",
                  "test_training_reference.py", "test_train_queue.py", "test_training_data.py"]
 

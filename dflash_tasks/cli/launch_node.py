@@ -92,10 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         allow_abbrev=False,  # or --speculative-draft-model would be read as ...-model-path
         description="Start and supervise one SGLang server and one Celery worker per GPU. "
                     "Any other --speculative-* option is passed to SGLang as given.")
-    p.add_argument("--gpus", metavar='LIST', required=True, help="GPU indices, comma-separated: 0,1,2")
+    p.add_argument("--gpus", metavar='LIST|auto', required=True,
+                   help="GPU indices, comma-separated: 0,1,2; auto: the node's allocation "
+                        "(CUDA_VISIBLE_DEVICES, else SLURM_GPUS_ON_NODE, else nvidia-smi's GPUs).")
     p.add_argument("--node", metavar='NAME',
                    help="This node's name, unique in the deployment: its GPUs are gpuI@NAME "
-                        "[DFLASH_NODE, else the host's short name].")
+                        "[DFLASH_NODE, else Slurm's SLURMD_NODENAME, else the host's short name].")
     p.add_argument("--model-path", metavar='PATH', help="Model directory or hub id (required unless --simulate).")
     p.add_argument("--base-port", metavar='PORT', type=int, default=30000, help="GPU I serves on BASE+I [30000].")
     p.add_argument("--host", metavar='ADDR', default="127.0.0.1", help="Servers' listen address [127.0.0.1].")
@@ -139,9 +141,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if rest and not rest[0].startswith("--speculative-"):
         p.error(f"unrecognized argument: {rest[0]}")
     try:
-        args.gpu_list = [int(g) for g in args.gpus.split(",") if g.strip()]
+        args.gpu_list = allocated_gpus() if args.gpus == "auto" else \
+            [int(g) for g in args.gpus.split(",") if g.strip()]
     except ValueError:
-        p.error(f"--gpus must be comma-separated integers, not {args.gpus!r}")
+        p.error(f"--gpus must be comma-separated integers or auto, not {args.gpus!r}")
+    except LookupError as exc:
+        p.error(f"--gpus auto: {exc}")
     if not args.gpu_list or len(set(args.gpu_list)) != len(args.gpu_list) or min(args.gpu_list) < 0:
         p.error(f"--gpus needs distinct non-negative indices, not {args.gpus!r}")
     try:
@@ -154,6 +159,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--sglang-python {args.sglang_python!r} not found")
     args.status_file = args.status_file or args.log_dir / "launch_node.json"
     return args
+
+
+def allocated_gpus(environ=os.environ) -> list[int]:
+    """The GPUs this node was given, as a cluster gives them: the CUDA_VISIBLE_DEVICES its
+    scheduler set (Slurm's gres; indices), else SLURM_GPUS_ON_NODE (a count), else every GPU
+    nvidia-smi lists (a Kubernetes pod sees only those it asked for). A CUDA_VISIBLE_DEVICES of
+    UUIDs (MIG, some device plugins) names no index: its count is used, numbered from 0."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        items = [v.strip() for v in visible.split(",") if v.strip()]
+        return [int(v) for v in items] if all(v.isdigit() for v in items) \
+            else list(range(len(items)))
+    count = environ.get("SLURM_GPUS_ON_NODE", "").strip()
+    if count.isdigit() and int(count) > 0:
+        return list(range(int(count)))
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        listed = ""
+    found = [line for line in listed.splitlines() if line.startswith("GPU ")]
+    if not found:
+        raise LookupError("no GPU in CUDA_VISIBLE_DEVICES or SLURM_GPUS_ON_NODE, and nvidia-smi "
+                          "lists none: ask the scheduler for GPUs (--gpus-per-node, "
+                          "nvidia.com/gpu) or name them (--gpus 0,1)")
+    return list(range(len(found)))
 
 
 def speculative_args(args: argparse.Namespace) -> list[str]:

@@ -5,6 +5,7 @@ job and live in Redis, so `manage.py set` reaches every worker without a restart
 """
 from __future__ import annotations
 
+import os
 import random
 import re
 import socket
@@ -56,8 +57,9 @@ class Settings(BaseSettings):
     allow_no_persistence: bool = False
 
     # This node's name: a GPU is named by its node and local index ("gpu3@node-a"), unique in the
-    # deployment, and so are its queue and its Celery worker. The host's short name by default.
-    node: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "localhost")
+    # deployment, and so are its queue and its Celery worker. Slurm's name for it, else the
+    # host's short name, by default (default_node_name).
+    node: str = Field(default_factory=lambda: default_node_name())
 
     # The SGLang server a worker calls: DFLASH_SGLANG_URL pins it; otherwise the GPU's local
     # index picks http://{sglang_host}:{sglang_base_port + index}, the layout
@@ -345,6 +347,13 @@ def check_location(where: str) -> str:
         raise ValueError(f"{where!r}: {scheme.group(1)}: is not a storage this project writes "
                          "(a directory, or s3://bucket/prefix)")
     return where
+
+
+def default_node_name() -> str:
+    """This node's name when DFLASH_NODE does not give one: Slurm's name for it in an
+    allocation (SLURMD_NODENAME: unique in the cluster, and the name `scontrol` and `sinfo`
+    show), else the host's short name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0] or "localhost"
 
 
 def sentinel_nodes(url: str) -> tuple[list[tuple[str, int]], int] | None:
