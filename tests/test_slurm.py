@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import socket
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import redis
