@@ -18,7 +18,8 @@ or a hang (no byte at all for `hang_seconds`, no slot held, then the connection 
 `POST /sim/down` closes the listening socket, resets every open connection, forgets every request
 in flight and listens again on the same port after the given seconds, as a crashed and restarted
 server would look to its clients. `POST /sim/hold` holds every answer (a generation that ends
-waits, unanswered) until `POST /sim/release`: a test acts mid-run at a point it chose, instead of
+waits, unanswered; an aborted one is answered at once, its partial output and all, as SGLang
+answers an abort) until `POST /sim/release`: a test acts mid-run at a point it chose, instead of
 racing a run that a fast or a slow machine ends sooner or later.
 
 Decisions where SGLang's own behaviour was not the point:
@@ -460,8 +461,8 @@ class SimServer:
             self.errors[exc.kind] += 1
             return _json(exc.body, exc.status)
         outcome = await self._run(gen)
-        if self.answering is not None:
-            await self.answering.wait()  # /sim/hold
+        if self.answering is not None and outcome not in ("abort", "abort_waiting"):
+            await self.answering.wait()  # /sim/hold (an abort is answered at once, as SGLang does)
         if outcome == "killed":
             self.errors["killed"] += 1
             return self._drop(request)

@@ -99,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="This node's name, unique in the deployment: its GPUs are gpuI@NAME "
                         "[DFLASH_NODE, else Slurm's SLURMD_NODENAME, else the host's short name].")
     p.add_argument("--model-path", metavar='PATH', help="Model directory or hub id (required unless --simulate).")
-    p.add_argument("--base-port", metavar='PORT', type=int, default=30000, help="GPU I serves on BASE+I [30000].")
+    p.add_argument("--base-port", metavar='PORT', type=int, default=get_settings().sglang_base_port,
+                   help="GPU I serves on BASE+I [DFLASH_SGLANG_BASE_PORT, else 30000].")
     p.add_argument("--host", metavar='ADDR', default="127.0.0.1", help="Servers' listen address [127.0.0.1].")
     p.add_argument("--max-running-requests", metavar='N', type=int, default=64,
                    help="Decode slots per server; the worker's concurrency follows [64].")
@@ -110,8 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sglang-python", metavar='PYTHON', default=sys.executable,
                    help="Interpreter with sglang installed [this one].")
     p.add_argument("--simulate", action="store_true",
-                   help="Start the project's simulated server (manage.py sim-server) instead.")
-    p.add_argument("--sim-args", metavar='"ARGS"', default="", help='More sim-server flags, one string.')
+                   default=os.environ.get("DFLASH_SIMULATE", "") not in ("", "0"),
+                   help="Start the project's simulated server (manage.py sim-server) instead "
+                        "[DFLASH_SIMULATE=1: a deployment's own commands, without GPUs].")
+    p.add_argument("--sim-args", metavar='"ARGS"', default=os.environ.get("DFLASH_SIM_ARGS", ""),
+                   help='More sim-server flags, one string [DFLASH_SIM_ARGS].')
     p.add_argument("--no-workers", action="store_true", help="Servers only, no Celery workers.")
     p.add_argument("--log-dir", metavar='DIR', type=Path, default=Path("output/logs"), help="[./output/logs]")
     p.add_argument("--status-file", metavar='FILE', type=Path, help="JSON state of every process [LOG_DIR/launch_node.json].")
