@@ -5,6 +5,7 @@ checks to it), with the helpers they share: free ports, waits with deadlines, ch
 whose output goes to a log and whose whole group is stopped."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -19,7 +20,7 @@ import httpx
 import redis
 
 from dflash_tasks.core.connections import connect
-from dflash_tasks.core.keys import WORKERS, GpuName
+from dflash_tasks.core.keys import BREAKERS, WORKERS, GpuName
 from dflash_tasks.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,9 +206,10 @@ class LocalCluster:
 
     # -- Celery ----------------------------------------------------------------------------------------
 
-    def start_worker(self, gpu: int, *args: str) -> Proc:
-        """gpu's worker, pinned to its server; returns once it has registered."""
-        return self._await_registered(gpu, self._spawn_worker(gpu, args))
+    def start_worker(self, gpu: int, *args: str, ready: bool = True) -> Proc:
+        """gpu's worker, pinned to its server; returns once it has registered and, with
+        `ready`, found its server healthy (a worker registers as soon as it starts)."""
+        return self._await_registered(gpu, self._spawn_worker(gpu, args), ready=ready)
 
     def start_workers(self, concurrency: int | None = None) -> None:
         """A worker for every server, started together."""
@@ -222,9 +224,20 @@ class LocalCluster:
                                                  "--node", self.node, "--sglang-url",
                                                  self.url(gpu), *args))
 
-    def _await_registered(self, gpu: int, proc: Proc) -> Proc:
+    def _await_registered(self, gpu: int, proc: Proc, ready: bool = True) -> Proc:
         r = self._redis()
-        wait_until(lambda: r.hexists(WORKERS, self.gpu(gpu)) or not proc.alive(), timeout=60,
+
+        def registered() -> bool:
+            raw = r.hget(WORKERS, self.gpu(gpu))
+            if raw is None:
+                return False
+            # Ready: Celery runs (the worker command registers with no concurrency while it
+            # waits for its server) and its server answered.
+            state = r.hget(BREAKERS, self.gpu(gpu)) or b""
+            return not ready or (json.loads(raw).get("concurrency", 0) > 0
+                                 and b"waiting_for_server" not in state)
+
+        wait_until(lambda: registered() or not proc.alive(), timeout=60,
                    what=f"worker {self.gpu(gpu)} to register")
         if not proc.alive():
             raise RuntimeError(f"worker {self.gpu(gpu)} exited:\n{proc.log()[-3000:]}")

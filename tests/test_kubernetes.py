@@ -147,8 +147,9 @@ def test_the_containers_commands_run_as_written_on_simulated_servers(redis_url, 
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/", timeout=5).status_code == 401,
                    timeout=60, what=f"Flower refusing a request without its auth: {flower.log()}")
         user, password = SECRETS["flower-basic-auth"].split(":")
-        page = httpx.get(f"http://127.0.0.1:{port}/workers", auth=(user, password), timeout=10)
-        assert page.status_code == 200 and "gpu0@dflash-node-0" in page.text
+        wait_until(lambda: {"gpu0@dflash-node-0", "gpu1@dflash-node-0"} <= set(httpx.get(
+            f"http://127.0.0.1:{port}/api/workers?refresh=1", auth=(user, password),
+            timeout=30).json()), timeout=60, what="Flower to list the pod's GPU workers")
     finally:
         for proc in reversed(procs):
             proc.stop(timeout=30)

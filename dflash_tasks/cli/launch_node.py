@@ -111,10 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sglang-python", metavar='PYTHON', default=sys.executable,
                    help="Interpreter with sglang installed [this one].")
     p.add_argument("--simulate", action="store_true",
-                   default=os.environ.get("DFLASH_SIMULATE", "") not in ("", "0"),
+                   default=get_settings().simulate,
                    help="Start the project's simulated server (manage.py sim-server) instead "
                         "[DFLASH_SIMULATE=1: a deployment's own commands, without GPUs].")
-    p.add_argument("--sim-args", metavar='"ARGS"', default=os.environ.get("DFLASH_SIM_ARGS", ""),
+    p.add_argument("--sim-args", metavar='"ARGS"', default=get_settings().sim_args,
                    help='More sim-server flags, one string [DFLASH_SIM_ARGS].')
     p.add_argument("--no-workers", action="store_true", help="Servers only, no Celery workers.")
     p.add_argument("--log-dir", metavar='DIR', type=Path, default=Path("output/logs"), help="[./output/logs]")

@@ -2,8 +2,10 @@
 worker, Flower."""
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 
 import click
 
@@ -76,10 +78,8 @@ def worker(gpu: int | None, node: str | None, queue: str | None, sglang_url: str
     name = GpuName.on(get_settings().node, gpu)
     url = get_settings().sglang_url_for(name)
     if concurrency is None:
+        _await_server_registered(name, url)
         client = SGLangClient(url)
-        err_console.print(f"{name}: waiting for {redact_url(url)}/health ...")
-        while not client.wait_healthy(timeout_s=60):
-            err_console.print(f"{name}: {redact_url(url)} not healthy yet, still waiting")
         try:
             slots = int(client.server_info().get("max_running_requests") or 0)
         except (SGLangError, ValueError, TypeError):
@@ -113,6 +113,31 @@ def beat_args(loglevel: str = "INFO") -> list[str]:
     return ["worker", "-B", "-s", str(schedule), "-Q", CONTROL_QUEUE, "-n", f"{CONTROL_QUEUE}@%h",
             "-P", "threads", "-c", "4", "--without-gossip", "--without-mingle",
             "--loglevel", loglevel]
+
+
+def _await_server_registered(name: GpuName, url: str) -> None:
+    """Wait for the server's /health before Celery starts (its concurrency comes from the
+    server), registered and stamping the GPU's heartbeat meanwhile, its state published: so
+    `status` lists the GPU from the worker's start, waiting or misconfigured, with why. The name
+    is claimed as Celery claims it (heartbeat.py: one worker per GPU name); Celery, in this
+    process, takes the claim over when it starts."""
+    from dflash_tasks.ledger import shared_ledger
+    from dflash_tasks.worker import heartbeat
+    from dflash_tasks.worker.hooks import await_server
+
+    s = get_settings()
+    book = shared_ledger()
+    registration = json.dumps({"concurrency": 0, "hostname": name, **heartbeat.identity(),
+                               "url": redact_url(url), "started_at": time.time()})
+    try:
+        heartbeat.claim(book, name, registration, s.worker_heartbeat_s)
+    except heartbeat.GpuTaken as exc:
+        raise click.ClickException(str(exc)) from None
+    err_console.print(f"{name}: waiting for {redact_url(url)}/health ...")
+    await_server(book.r, name, url, float("inf"),
+                 say=lambda line: err_console.print(f"{name}: {line}", highlight=False),
+                 on_probe=lambda: heartbeat.claim_gpu(
+                     book.r, name, registration, heartbeat.FRESH_PERIODS * s.worker_heartbeat_s))
 
 
 @click.command()

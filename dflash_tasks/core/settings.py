@@ -56,6 +56,11 @@ class Settings(BaseSettings):
     # loses the whole ledger. True accepts that (a throw-away run).
     allow_no_persistence: bool = False
 
+    # launch_node.py's --simulate and --sim-args, for a deployment's own commands (a cluster's
+    # manifests, docs/CLUSTER.md) run without GPUs: the project's simulated servers.
+    simulate: bool = False
+    sim_args: str = ""
+
     # This node's name: a GPU is named by its node and local index ("gpu3@node-a"), unique in the
     # deployment, and so are its queue and its Celery worker. Slurm's name for it, else the
     # host's short name, by default (default_node_name).

@@ -275,7 +275,8 @@ def _aliased(fields: dict) -> dict:
 def gpu_state(reads: Reads, gpu: GpuName, alive: bool) -> tuple[str, str | None]:
     """Whether the GPU takes work, and if not why: "serving"; "no_worker" (none registered, or
     stopped, or its heartbeat went silent); or its open breaker's kind (breaker.py: "transient",
-    the server does not answer; "misconfigured"; "repeated_failure") with its last error."""
+    the server does not answer; "misconfigured"; "repeated_failure"; "waiting_for_server", a
+    worker started before its server answers) with its last error."""
     if not alive:
         return "no_worker", ("its worker stopped or was never started" if gpu not in reads.heartbeats
                              else "no heartbeat from its worker")
@@ -301,6 +302,7 @@ def render_gpu(reads: Reads, gpu: GpuName, s: Settings) -> dict:
         "retry_waiting": reads.retry_waiting[gpu],
         "retries": count(reads, f"gpu:{gpu}:retries"),
         "worker": reads.workers.get(gpu, {}).get("hostname"),
+        "url": reads.workers.get(gpu, {}).get("url"),  # the server its worker calls (redacted)
         "alive": alive,
         "heartbeat_age_s": age,
         # The server's own view (its /metrics, sampled by the worker): running requests

@@ -115,10 +115,15 @@ class SGLangClient:
     def healthy(self, timeout_s: float = 5.0) -> bool:
         """True when /health answers 200. A 503 also means 'starting' or 'busy with a long
         prefill', so callers decide on several probes, never on one."""
+        return self.health(timeout_s)[0] == 200
+
+    def health(self, timeout_s: float = 5.0) -> tuple[int | None, str]:
+        """/health's status code and what it means, or None and why nothing answered."""
         try:
-            return self._http.get("/health", timeout=timeout_s).status_code == 200
-        except httpx.HTTPError:
-            return False
+            status = self._http.get("/health", timeout=timeout_s).status_code
+        except httpx.HTTPError as exc:
+            return None, f"{type(exc).__name__}: {exc}"[:300]
+        return status, {200: "healthy", 503: "starting, or busy"}.get(status, f"HTTP {status}")
 
     def wait_healthy(self, timeout_s: float, interval_s: float = 1.0) -> bool:
         deadline = time.monotonic() + timeout_s

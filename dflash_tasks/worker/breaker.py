@@ -253,6 +253,20 @@ def publisher(r: redis.Redis, gpu: GpuName, url: str) -> Callable[[CircuitBreake
     return publish
 
 
+def publish_waiting(r: redis.Redis, gpu: GpuName, url: str, kind: str, reason: str,
+                    since: float) -> None:
+    """A worker waiting for its server before it takes work, as an open breaker says it: no
+    dispatch to its GPU (take.lua), and `status` shows it with `kind` ("waiting_for_server", or
+    "misconfigured": the URL answers, but not as SGLang) and the reason."""
+    try:
+        r.hset(BREAKERS, gpu, json.dumps({
+            "state": "open", "kind": kind, "consecutive_failures": 0, "last_error": reason,
+            "opened_at": since, "times_opened": 0, "probes": 0, "url": redact_url(url),
+            "host": socket.gethostname(), "pid": os.getpid(), "at": time.time()}))
+    except Exception:
+        log.debug("could not publish the state of %s", gpu, exc_info=True)
+
+
 def publish_closed(r: redis.Redis, gpu: GpuName, url: str) -> None:
     """A worker starting on a healthy server clears what a dead predecessor left behind."""
     try:

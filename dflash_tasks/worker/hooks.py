@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Callable
 
 from celery import bootsteps, signals
 from celery.worker.state import active_requests, reserved_requests
@@ -21,7 +22,7 @@ from dflash_tasks.core.keys import GpuName
 from dflash_tasks.core.settings import redact_url
 from dflash_tasks.sglang import DeploymentError, SGLangClient, SGLangError
 from dflash_tasks.worker import heartbeat
-from dflash_tasks.worker.breaker import publish_closed
+from dflash_tasks.worker.breaker import publish_closed, publish_waiting
 from dflash_tasks.worker.runtime import runtime
 
 log = logging.getLogger(__name__)
@@ -42,28 +43,53 @@ def _size_http_pools(sender, instance, **_):
 def _wait_for_servers(sender, instance, conf, **_):
     for gpu in gpus_consumed(instance.app):
         url = runtime().settings.sglang_url_for(gpu)
-        client = SGLangClient(url)
-        started = time.monotonic()
-        next_warning = 0.0
-        while not client.healthy():
-            waited = time.monotonic() - started
-            if waited > runtime().settings.health_wait_s:
-                log.error("%s: %s still not healthy after %.0fs; taking work anyway",
-                          gpu, redact_url(url), waited)
-                break
-            if waited >= next_warning:  # a server loads for minutes: a line a minute, not every poll
-                log.warning("%s: waiting for SGLang at %s/health (%.0fs)", gpu, redact_url(url),
-                            waited)
-                next_warning = waited + HEALTH_WARN_EVERY_S
-            time.sleep(2.0)
-        client.close()
+        # Registered and stamping its heartbeat from its start, so `status` lists it while it
+        # waits, with why (its breaker published open: nothing is dispatched to it meanwhile).
         registration = _claim(gpu, instance.concurrency, sender, url)
+        runtime().start_reporting(gpu, registration)
+        await_server(runtime().r, gpu, url, runtime().settings.health_wait_s,
+                     say=lambda line, gpu=gpu: log.warning("%s: %s", gpu, line))
         # What a dead predecessor published is cleared, then the server's identity decides.
         publish_closed(runtime().r, gpu, url)
         _learn_contract(gpu, url)
         log.info("%s: worker %s ready, concurrency %d, server %s", gpu, sender,
                  instance.concurrency, redact_url(url))
-        runtime().start_reporting(gpu, registration)  # progress.json's "alive", its server's load
+
+
+def await_server(r, gpu: GpuName, url: str, max_wait_s: float, *,
+                 say: Callable[[str], object] = log.warning,
+                 on_probe: Callable[[], object] | None = None) -> None:
+    """Until the server's /health answers 200 (a server loads for minutes), published as the
+    GPU's state: "waiting_for_server" while nothing answers or it starts (503), "misconfigured"
+    when the URL answers but not as SGLang does (404, 401, 403: the wrong --sglang-url); each
+    with the URL and the answer, said a line a minute. `on_probe`: after each probe (the worker
+    command stamps its heartbeat there before Celery runs). Past max_wait_s it gives up waiting,
+    and says so."""
+    client = SGLangClient(url)
+    started, since, next_line = time.monotonic(), time.time(), 0.0
+    try:
+        while True:
+            status, said = client.health()
+            if status == 200:
+                return
+            waited = time.monotonic() - started
+            if waited > max_wait_s:
+                say(f"{redact_url(url)} still not healthy after {waited:.0f}s; taking work anyway")
+                return
+            misconfigured = status in (401, 403, 404)
+            reason = (f"{redact_url(url)}/health answered {said}: not an SGLang server (is the "
+                      "worker's --sglang-url right?)" if misconfigured else
+                      f"waiting for SGLang at {redact_url(url)}/health for {waited:.0f}s: {said}")
+            publish_waiting(r, gpu, url, "misconfigured" if misconfigured else "waiting_for_server",
+                            reason, since)
+            if on_probe is not None:
+                on_probe()
+            if waited >= next_line:  # a server loads for minutes: a line a minute, not every poll
+                say(reason)
+                next_line = waited + HEALTH_WARN_EVERY_S
+            time.sleep(2.0)
+    finally:
+        client.close()
 
 
 def _learn_contract(gpu: GpuName, url: str) -> None:
