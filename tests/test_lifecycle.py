@@ -119,10 +119,12 @@ def test_a_new_job_dispatches_from_its_first_chunk_and_keeps_it_whatever_follows
     assert "cannot read past line 2242" in err and f"job {JOB} kept its 2,000" in err, err
     snap = c.status(JOB)
     assert snap["status"] == "running" and snap["total"] == 2000
+    assert "stopped by an error (DatasetError) after 2,000 new prompts" in snap["incomplete"]
     fixed = tmp_path / "fixed.jsonl.gz"
     fixed.write_bytes(whole)
     c.manage("enqueue", "--dataset", str(fixed), "--job", JOB)
-    assert c.status(JOB)["total"] == 3000
+    snap = c.status(JOB)
+    assert snap["total"] == 3000 and snap["incomplete"] is None
 
 
 def test_a_failed_resume_keeps_the_job_as_it_was(c, tmp_path):

@@ -115,6 +115,7 @@ def enqueue(dataset: str, subset, split, name: JobName, limit, samples, turns, g
     dispatching = threading.Event()
 
     def start_dispatch(added: int) -> None:
+        get_settings().failpoint("enqueue.after_chunk")
         if existing is None and added and not dispatching.is_set() and \
                 book.transition(name, lifecycle.LOADING, lifecycle.RUNNING):
             dispatching.set()
@@ -172,8 +173,16 @@ def enqueue(dataset: str, subset, split, name: JobName, limit, samples, turns, g
                 err_console.print(f"[yellow]job {name}: its prompt chunks could not be removed "
                                   f"({cleanup}); once the storage answers, run {left}[/]")
         elif loader.added:
-            err_console.print(f"[yellow]job {name}: {loader.added:,} new prompts were stored "
-                              "before the error; enqueueing the fixed dataset again adds the rest[/]")
+            # The job runs on what was stored, and says it is incomplete until an enqueue of
+            # its dataset ends (beat never marks it done meanwhile: finish.lua).
+            why = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
+                f"stopped by an error ({type(exc).__name__})"
+            jobs.mark_incomplete(r, name, f"the enqueue of {source} was {why} after "
+                                          f"{loader.added:,} new prompts: run it again to add "
+                                          "the rest")
+            err_console.print(f"[yellow]job {name}: enqueue {why} after {loader.added:,} new "
+                              "prompts were stored: the job is incomplete (status says so) until "
+                              "the same enqueue is run again, which adds the rest[/]")
         if isinstance(exc, (DatasetError, StorageError, jobs.JobDeleted)):
             what = "deleted meanwhile" if gone else "not created" if removed else \
                 f"kept its {loader.added:,} new prompts" if loader.added else "unchanged"
@@ -186,6 +195,8 @@ def enqueue(dataset: str, subset, split, name: JobName, limit, samples, turns, g
     if turns == "all" and replies.prompts:  # its ETA counts the replies (progress.py)
         changes["replies_per_prompt"] = f"{replies.mean:.4f}"
     wrong = book.update_job(name, expect, changes)
+    if not wrong:
+        jobs.mark_incomplete(r, name, None)  # its dataset is all stored now
     if wrong:
         stored = f"its {added:,} new prompts are stored and counted" if added else \
             "no new prompt was stored"
@@ -400,6 +411,8 @@ def _status_table(snap: dict, width: int | None = None) -> Table:
     label_width = 18  # the longest label, "completed / failed"; 4 more for the cells' padding
     bar = max(5, min(30, width - label_width - 4 - 1 - len(figures)))
     t.add_row("progress", f"{_bar(fraction, bar)} {figures}")
+    if snap.get("incomplete"):
+        t.add_row("[red]incomplete[/]", snap["incomplete"])
     t.add_row("completed / failed", f"{snap['completed']:,} / {snap['failed']:,}  "
                                     f"(retries {snap.get('retries', 0):,})")
     t.add_row("waiting", f"pending {snap['pending']:,}, in flight {snap['in_flight']:,}, "

@@ -147,12 +147,23 @@ class Job:
     # The replies a prompt asks for on average (core/conversation.py's replies), as its last
     # enqueue read them: a job of conversations' ETA (output/progress.py). 1 for one reply each.
     replies_per_prompt: float = 1.0
+    # Why its dataset is not all stored (mark_incomplete), or "" when it is
+    incomplete: str = ""
     # The config hash exactly as read: what a command's compare-and-set expects to find again.
     stored: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_read(self, *names: str) -> dict[str, list[str]]:
         """Ledger.update_job's expectation: these fields still as this command read them."""
         return {name: [self.stored.get(name, "")] for name in names}
+
+
+def mark_incomplete(r: redis.Redis, name: JobName, reason: str | None) -> None:
+    """Say that the job's dataset is not all stored (an enqueue interrupted or failed midway),
+    and why; None: it is, again. Beat never marks an incomplete job done (finish.lua)."""
+    if reason is None:
+        r.hdel(name.config, "incomplete")
+    elif r.exists(name.config):
+        r.hset(name.config, "incomplete", reason)
 
 
 def load(r: redis.Redis, name: JobName) -> Job | None:
@@ -167,7 +178,8 @@ def load(r: redis.Redis, name: JobName) -> Job | None:
                dataset=d.get("dataset", ""), created_at=float(d.get("created_at", 0)),
                output=d.get("output", ""), samples=int(d.get("samples") or 1),
                turns=d.get("turns") or "last",
-               replies_per_prompt=float(d.get("replies_per_prompt") or 1.0), stored=d)
+               replies_per_prompt=float(d.get("replies_per_prompt") or 1.0),
+               incomplete=d.get("incomplete", ""), stored=d)
 
 
 def config_fields(params: GenerationParams, selection: GpuSelection) -> dict[str, str]:

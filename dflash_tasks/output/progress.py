@@ -346,6 +346,8 @@ def render(reads: Reads, s: Settings) -> dict:
         "in_flight": sum(in_flight(reads, gpu) for gpu in reads.gpus),
         "retry_waiting": sum(reads.retry_waiting.values()),
         "remaining": left,
+        # Why the job's dataset is not all stored (an enqueue interrupted), or null
+        "incomplete": job.incomplete or None,
         # A job of conversations (enqueue --turns all): the replies made, each conversation's
         # last with its row, the others handed on to their next turn (next_round.lua).
         "turns": {"replies": count(reads, "turns") + completed, "handed_on": count(reads, "turns")}

@@ -10,6 +10,9 @@
 if redis.call('HGET', config, 'status') ~= 'running' then
   return 'not running'
 end
+if redis.call('HEXISTS', config, 'incomplete') == 1 then
+  return 'its dataset not all enqueued'  -- an enqueue interrupted midway (jobs.mark_incomplete)
+end
 local c = redis.call('HMGET', counters, 'total', 'completed', 'failed', 'spooled')
 local total, completed, failed = tonumber(c[1]) or 0, tonumber(c[2]) or 0, tonumber(c[3]) or 0
 if total == 0 or completed + failed ~= total then
