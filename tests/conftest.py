@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from support import ROOT, Proc, free_port, python, wait_until
+from support import ROOT, AofRedis, Proc, free_port, python, wait_until
 
 from dflash_dev.local import LocalCluster
 from dflash_tasks.output.batches import read_batch, read_manifest
@@ -103,6 +103,16 @@ def cluster(tmp_path, redis_url):
     yield make
     for c in clusters:
         c.stop()
+
+
+@pytest.fixture
+def aof_redis(tmp_path):
+    """A Redis of the test's own that can be crashed and started again on its data
+    (support.AofRedis), persisting as deployed: append-only, fsync every second."""
+    server = AofRedis(tmp_path, appendfsync="everysec")
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

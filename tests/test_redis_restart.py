@@ -7,19 +7,10 @@ from __future__ import annotations
 import subprocess
 import time
 
-import pytest
 import redis
 from conftest import Cluster
 from failure_support import check_books, dataset, prompts
 from support import AofRedis, wait_until
-
-
-@pytest.fixture
-def aof_redis(tmp_path):
-    server = AofRedis(tmp_path, appendfsync="everysec")  # as deployed
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_redis_restart_while_retries_wait_recovers_in_seconds_with_the_deployed_settings(aof_redis, tmp_path):

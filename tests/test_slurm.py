@@ -6,7 +6,6 @@ requeued, as a preemption does; every prompt is done once, with rows from both n
 from __future__ import annotations
 
 import os
-import socket
 from collections import Counter
 
 import pytest
@@ -16,6 +15,7 @@ from failure_support import sim_hold
 from slurm_support import Slurm, missing
 from support import ROOT, free_port, wait_until
 
+from dflash_dev.local import free_port_run
 from dflash_tasks.core.keys import JobName
 from dflash_tasks.output.batches import read_batch, read_manifest
 from dflash_tasks.output.storage import LocalStorage
@@ -25,25 +25,6 @@ SCRIPT = ROOT / "workers" / "slurm" / "dflash.sbatch"
 pytestmark = pytest.mark.skipif(bool(missing()) or os.geteuid() != 0,
                                 reason=f"needs Slurm and munge ({', '.join(missing())} missing: "
                                        ".ci/run installs them) and root, as CI runs")
-
-
-def free_base() -> int:
-    """A base port whose servers' ports (BASE, BASE+1, BASE+100, BASE+101) are free."""
-    for _ in range(50):
-        base = free_port()
-        ports = [base, base + 1, base + 100, base + 101]
-        if all(_free(p) for p in ports):
-            return base
-    raise RuntimeError("no free base port")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 @pytest.fixture
@@ -58,7 +39,8 @@ def test_the_sbatch_script_runs_a_job_on_two_nodes_through_a_step_cancelled_and_
     prompts = [{"id": f"s{i:04d}", "prompt": f"Question {i}: what of {i * 7919 % 1000}?"}
                for i in range(300)]
     dataset = write_jsonl(tmp_path / "prompts.jsonl", prompts)
-    run_dir, base, redis_port = tmp_path / "run", free_base(), free_port()
+    # node i's servers on BASE + 100 i + GPU: all 102 ports free
+    run_dir, base, redis_port = tmp_path / "run", free_port_run(102), free_port()
     env = {"JOB": "slurm", "DATASET": str(dataset), "RUN_DIR": str(run_dir),
            "NODE_ARGS": '--simulate --sim-args "--slots 8 --decode-tps 150 --median-tokens 300"',
            "ENQUEUE_ARGS": "--max-output-tokens 2048", "BASE_PORT": str(base),

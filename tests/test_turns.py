@@ -12,10 +12,9 @@ import json
 import time
 from collections import Counter
 
-import pytest
 from conftest import Cluster, write_jsonl
 from failure_support import check_books, counters, sim_hold, sim_release
-from support import AofRedis, wait_until
+from support import wait_until
 
 from dflash_dev.sim import lengths, tokens
 from dflash_tasks.core import conversation
@@ -165,14 +164,6 @@ def test_a_turn_cut_at_the_cap_ends_its_conversation(cluster, tmp_path):
         assert len(went_on) > len(before["response"])
     assert sum(len(newest[r["id"]]["metadata"]["turns"]) for r in cut) > \
         sum(len(r["metadata"]["turns"]) for r in cut)
-
-
-@pytest.fixture
-def aof_redis(tmp_path):
-    server = AofRedis(tmp_path, appendfsync="everysec")  # as deployed
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_conversations_survive_a_worker_kill_and_a_redis_restart_mid_conversation(aof_redis, tmp_path):
