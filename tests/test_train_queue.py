@@ -185,6 +185,31 @@ def test_the_quality_gate_refuses_a_bad_dataset(cluster, tmp_path):
     assert "FAILED" in detail and "loss-mask spike" in detail
 
 
+def test_validate_and_the_training_gate_give_one_answer(cluster, tmp_path):
+    """`validate --config` applies the training run's own rules and limits (issue 42, item 3):
+    the same rows and config get one verdict, with the same reasons. validate used to keep
+    its own defaults (max_length 16384), so rows the gate refused for their length passed."""
+    c = cluster(train_templates=node_templates(tmp_path))
+    write_batches(c.output_dir, "mixed", [good_row(i) for i in range(200)])
+    c.start_train_worker()
+    strict = write_text(tmp_path / "strict.toml", "[rules]\nmax_length = 1500\n")
+    for config, passes in (((), True), (("--config", str(strict)), False)):
+        checked = c.manage("validate", "--job", "mixed", "--trainer", "command", "--json", *config,
+                           check=False)
+        verdict = json.loads(checked.stdout)
+        run = queue_run(c, "--job", "mixed", "--trainer", "command", "--template", "ok", *config)
+        gate = wait_run(c, run, ("refused", "done", "failed"))["gate"]
+        assert (verdict["passed"], gate["passed"], checked.returncode) == (passes, passes,
+                                                                         0 if passes else 1)
+        assert verdict["failures"] == gate["failures"], (verdict["failures"], gate["failures"])
+        assert verdict["kept"] == gate["kept"] and verdict["rules"] == gate["rules"]
+    assert any("too long" in f for f in verdict["failures"]), verdict["failures"]
+    # An option still overrides the config, and says it is not the training gate any more.
+    loose = c.manage("validate", "--job", "mixed", "--trainer", "command", "--config", str(strict),
+                     "--max-length", "4096")
+    assert "not the training gate: --max-length 4096 (the training gate's: 1500)" in loose.stderr
+
+
 def test_the_training_node_runs_only_the_templates_and_env_it_allows(cluster, tmp_path):
     """A run's spec comes from Redis, which others can write to: what a Redis writer queues
     (a command line of its own, an env that loads code) is refused by the node, with the reason,

@@ -285,7 +285,10 @@ def test_pipeline_rows_pass_validate_and_export_in_every_format(cluster, tmp_pat
     assert quality["sampled_rows"] > 0 and quality["ok"] is True, quality
     assert quality["empty_answer_pct"] == 0 and quality["think_marker_rows"] == 0
 
-    result = c.manage("validate", "--job", "td", "--tokenizer", str(tokenizer_dir), "--json")
+    # A training max length that holds the job's longest rows (the prompt plus the 4,096-token
+    # cap): the trainer's default, 4096, is the training gate's when none is given.
+    result = c.manage("validate", "--job", "td", "--tokenizer", str(tokenizer_dir), "--json",
+                      "--max-length", "8192")
     report = json.loads(result.stdout)
     assert report["passed"] and report["rows"] == 52
     assert report["template_check"]["compared"] == 52
@@ -339,7 +342,7 @@ def test_pipeline_rows_pass_validate_and_export_in_every_format(cluster, tmp_pat
     assert (tmp_path / "raw" / "manifest.json").exists()
     # ... and what it downloaded can be checked where it lies, with no Redis and no S3.
     again = json.loads(c.manage("validate", "--job", "td", "--from", str(tmp_path / "raw"),
-                                "--json").stdout)
+                                "--json", "--max-length", "8192").stdout)
     assert again["rows"] == 52 and again["passed"]
 
 

@@ -232,16 +232,24 @@ def changed_meanwhile(name: str, read: dict[str, str], wrong: dict[str, str]) ->
 
 # -- the shipped rows: the row rules and look-ups of validate and export --format ----------------
 
-def rule_options(f):
-    """The row rules, shared by validate and the training formats of export."""
-    f = click.option("--keep-truncated", is_flag=True,
+def rule_options(f=None, *, from_config: bool = False):
+    """The row rules, shared by validate and the training formats of export. `from_config`:
+    unset, a rule is the training config's (validate applies the gate `train` does)."""
+    if f is None:
+        return lambda g: rule_options(g, from_config=from_config)
+
+    def default(value, rule: str):
+        return ({"default": None, "show_default": f"[rules] {rule}, else the trainer's"}
+                if from_config else {"default": value, "show_default": True})
+    f = click.option("--keep-truncated/--drop-truncated" if from_config else "--keep-truncated",
+                     default=None if from_config else False, is_flag=True,
                      help="Keep rows cut by max_tokens (dropped by default: their answer never "
-                          "finished).")(f)
-    f = click.option("--max-length", type=click.IntRange(min=1), default=16384, show_default=True,
+                          "finished)." + (" [default: [rules] keep_truncated, else the trainer's]"
+                                          if from_config else ""))(f)
+    f = click.option("--max-length", type=click.IntRange(min=1), **default(16384, "max_length"),
                      help="The training max length: longer rows (input ids) are flagged and "
                           "dropped.")(f)
-    f = click.option("--min-loss-tokens", type=click.IntRange(min=0), default=32,
-                     show_default=True,
+    f = click.option("--min-loss-tokens", type=click.IntRange(min=0), **default(32, "min_loss_tokens"),
                      help="Rows with fewer loss-mask tokens are flagged and dropped.")(f)
     f = click.option("--tokenizer", type=click.Path(exists=True, file_okay=False, path_type=Path),
                      help="The target model's tokenizer directory (its chat template renders rows "

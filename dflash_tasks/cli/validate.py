@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import click
@@ -21,6 +22,12 @@ from dflash_tasks.cli.common import (
 from dflash_tasks.core.keys import JobName
 
 _SHARE = click.FloatRange(0.0, 1.0)
+
+
+def _gate_default(limit: str) -> str:
+    from dflash_tasks.training.data.gate import Thresholds
+
+    return f"[gate] {limit}, else {getattr(Thresholds(), limit):g}"
 
 
 def _print_report(name: str, where: str, figures: dict, failures: list[str], state: dict | None,
@@ -90,54 +97,89 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
         console.print("[bold green]PASS[/]: every threshold holds")
 
 
+def _the_gate(config: Path | None, trainer: str, rules: dict, limits: dict):
+    """The rules and limits the training run's gate applies with this config (or without one),
+    with those an option sets instead, said on stderr: the run would not apply them."""
+    from dflash_tasks.training.queue.spec import SpecError, read_config, run_gate
+
+    try:
+        gate_rules, gate_limits = run_gate(read_config(config), trainer, str(config or "--config"))
+    except SpecError as exc:
+        raise click.BadParameter(str(exc), param_hint="--config") from None
+    rules = {k: v for k, v in rules.items() if v is not None}
+    limits = {k: v for k, v in limits.items() if v is not None}
+    gate = {**asdict(gate_limits), **asdict(gate_rules)}
+    changed = [f"--{k.replace('_', '-')} {v} (the training gate's: {gate[k]})"
+               for k, v in {**rules, **limits}.items() if v != gate[k]]
+    if changed:
+        err_console.print("validate: not the training gate: " + ", ".join(changed),
+                          highlight=False)
+    return replace(gate_rules, **rules), replace(gate_limits, **limits)
+
+
 @click.command()
 @click.option("--job", "name", type=JOB, required=True, help="The job whose shipped rows to check.")
 @click.option("--from", "source", metavar="S3_URI_OR_DIR", callback=storage_location,
               help="Where the batches are.", show_default="the location the job keeps")
-@rule_options
+@click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The training config (`train --config`): its [rules] and [gate] are the "
+                   "check, as the training run applies it.", show_default="train's defaults")
+@click.option("--trainer", type=click.Choice(["reference", "command"]), default="reference",
+              show_default=True, help="The trainer whose defaults fill the rules (as `train`).")
+@rule_options(from_config=True)
 @click.option("--sample", type=click.IntRange(min=0), default=0, show_default=True,
               help="Check only the newest N rows (0: all).")
 @click.option("--compare-rows", type=click.IntRange(min=0), default=1000, show_default=True,
               help="With --tokenizer: render this many rows that have server ids through the "
                    "template and compare.")
-@click.option("--max-spike-share", type=_SHARE, default=0.10, show_default=True,
+@click.option("--max-spike-share", type=_SHARE, default=None,
+              show_default=_gate_default("max_spike_share"),
               help="Fail when one loss-mask sum holds more than this share of finished rows.")
-@click.option("--max-short-share", type=_SHARE, default=0.05, show_default=True,
+@click.option("--max-short-share", type=_SHARE, default=None,
+              show_default=_gate_default("max_short_share"),
               help="Fail when more rows than this have fewer than --min-loss-tokens.")
-@click.option("--max-empty-answer-share", type=_SHARE, default=0.02, show_default=True,
+@click.option("--max-empty-answer-share", type=_SHARE, default=None,
+              show_default=_gate_default("max_empty_answer_share"),
               help="Fail when more rows than this have an empty answer.")
-@click.option("--max-empty-reasoning-share", type=_SHARE, default=0.02, show_default=True,
+@click.option("--max-empty-reasoning-share", type=_SHARE, default=None,
+              show_default=_gate_default("max_empty_reasoning_share"),
               help="Fail when more rows than this have an empty reasoning (thinking mode).")
-@click.option("--max-marker-share", type=_SHARE, default=0.001, show_default=True,
+@click.option("--max-marker-share", type=_SHARE, default=None,
+              show_default=_gate_default("max_marker_share"),
               help="Fail when more rows than this have think markers in their text.")
-@click.option("--max-truncated-share", type=_SHARE, default=0.30, show_default=True,
+@click.option("--max-truncated-share", type=_SHARE, default=None,
+              show_default=_gate_default("max_truncated_share"),
               help="Fail when more rows than this were cut by max_tokens.")
-@click.option("--max-over-length-share", type=_SHARE, default=0.05, show_default=True,
+@click.option("--max-over-length-share", type=_SHARE, default=None,
+              show_default=_gate_default("max_over_length_share"),
               help="Fail when more rows than this are longer than --max-length.")
-@click.option("--max-prompt-mismatch-share", type=_SHARE, default=0.0, show_default=True,
+@click.option("--max-prompt-mismatch-share", type=_SHARE, default=None,
+              show_default=_gate_default("max_prompt_mismatch_share"),
               help="With --tokenizer: fail when its template renders other prompts than the "
                    "server's for more rows than this.")
-@click.option("--min-kept-rows", type=click.IntRange(min=0), default=1, show_default=True,
+@click.option("--min-kept-rows", type=click.IntRange(min=0), default=None,
+              show_default=_gate_default("min_kept_rows"),
               help="Fail when the rules keep fewer rows than this (what the trainer would read).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def validate(name: JobName, source: str | None, tokenizer: Path | None, min_loss_tokens: int,
-             max_length: int, keep_truncated: bool, sample: int, compare_rows: int,
-             as_json: bool, **limits) -> None:
+def validate(name: JobName, source: str | None, config: Path | None, trainer: str,
+             tokenizer: Path | None, min_loss_tokens: int | None, max_length: int | None,
+             keep_truncated: bool | None, sample: int, compare_rows: int, as_json: bool,
+             **limits) -> None:
     """The quality gate: check a job's shipped rows before training on them. Reports the
     loss-mask distribution (and a spike at one value), empty answers and reasoning, think
     markers in the text, truncation, duplicate ids and rows over the max length; exits 1 with
-    the reasons when a threshold is crossed, so a training launch can depend on it."""
+    the reasons when a threshold is crossed, so a training launch can depend on it. Its rules
+    and limits are the training gate's (`train --config`), unless an option sets one."""
     from dflash_tasks.output.batches import ChecksumMismatch
     from dflash_tasks.output.storage import StorageError
     from dflash_tasks.training.data.exports import validate_job
-    from dflash_tasks.training.data.gate import Rules, Thresholds
     from dflash_tasks.training.data.reader import NoManifest
 
+    rules, th = _the_gate(config, trainer, {"min_loss_tokens": min_loss_tokens,
+                                            "max_length": max_length,
+                                            "keep_truncated": keep_truncated}, limits)
     storage = job_storage_from(source, name)
     template = chat_template_option(tokenizer)
-    rules = Rules(min_loss_tokens=min_loss_tokens, max_length=max_length,
-                  keep_truncated=keep_truncated)
-    th = Thresholds(**limits)
     try:
         with err_console.status(f"reading {storage.location(name + '/manifest.json')} ...") as spin:
             n = [0]

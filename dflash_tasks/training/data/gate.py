@@ -290,10 +290,13 @@ class Thresholds:
             out.append(f"truncation: {f['truncated_pct']}% of rows ({report.flags['truncated']:,}) "
                        f"stopped at max_tokens (limit {100 * self.max_truncated_share:g}%): raise "
                        "max tokens (manage.py set --max-output-tokens)")
-        if tokenized and report.flags["over_length"] > self.max_over_length_share * tokenized:
-            out.append(f"too long: {f['over_length_pct']}% of rows ({report.flags['over_length']:,}) "
-                       f"exceed the training max length {rules.max_length:,} (limit "
-                       f"{100 * self.max_over_length_share:g}%)")
+        # Rows lost to their length alone: a truncated row the rules drop anyway is counted
+        # under truncation, not twice.
+        too_long = report.dropped["over_length"]
+        if tokenized and too_long > self.max_over_length_share * tokenized:
+            out.append(f"too long: {_pct(too_long, tokenized)}% of rows ({too_long:,}) are "
+                       f"dropped for exceeding the training max length {rules.max_length:,} "
+                       f"(limit {100 * self.max_over_length_share:g}%)")
         if report.compared and report.prompt_mismatch > self.max_prompt_mismatch_share * report.compared:
             out.append(f"template mismatch: for {report.prompt_mismatch:,} of {report.compared:,} "
                        "rows the tokenizer's chat template renders a prompt other than the one "

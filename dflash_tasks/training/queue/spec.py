@@ -187,6 +187,14 @@ def gate_settings(section: dict, where: str = "[gate]") -> tuple[Rules, Threshol
         raise SpecError(f"{where}: {exc}") from None
 
 
+def run_gate(config: dict, trainer: str, source: str = "--config") -> tuple[Rules, Thresholds]:
+    """The rules and limits a run queued with this config applies in its gate, which `validate
+    --config` applies too: one check, one answer for the same rows."""
+    _, thresholds = gate_settings({k: v for k, v in config["gate"].items()
+                                   if k not in RULE_FIELDS}, f"{source} [gate]")
+    return Rules(**resolve_rules(config, trainer, source)), thresholds
+
+
 def resolve_rules(config: dict, trainer: str, source: str = "--config") -> dict:
     """The run's row rules, from [rules]. A field that [gate] or the trainer's section also sets
     (a config written before [rules]) counts when it says the same, and is an error when it says
