@@ -204,6 +204,11 @@ def test_validate_and_the_training_gate_give_one_answer(cluster, tmp_path):
         assert verdict["failures"] == gate["failures"], (verdict["failures"], gate["failures"])
         assert verdict["kept"] == gate["kept"] and verdict["rules"] == gate["rules"]
     assert any("too long" in f for f in verdict["failures"]), verdict["failures"]
+    # With a training worker alive, a queued run does not say it waits for one.
+    queued = json.loads(c.manage("train", "--job", "mixed", "--trainer", "command", "--template",
+                                 "ok", "--json").stdout)
+    assert "waits" not in queued, queued
+    wait_run(c, queued["run"], ("done", "failed"))
     # An option still overrides the config, and says it is not the training gate any more.
     loose = c.manage("validate", "--job", "mixed", "--trainer", "command", "--config", str(strict),
                      "--max-length", "4096")
@@ -381,6 +386,14 @@ def test_train_prints_its_run_for_every_trigger(tmp_path, redis_url, trigger):
     out = c.manage("train", "--job", "tj", "--trainer", "command", "--template", "ok", *trigger)
     assert "training run" in out.stdout and "tj-train-1" in out.stdout, out.stdout
     assert c.r.zcard("dflash:train:runs") == 1
+    # No training worker runs here: a run queued now says it waits for one, and so does
+    # train-status while it waits (a run that waits for its trigger is not in the queue yet).
+    alone = "no training worker answers"
+    assert (alone in out.stderr) is (not trigger), out.stderr
+    assert (alone in c.manage("train-status", "--run", "tj-train-1").stdout) is (not trigger)
+    assert (alone in c.manage("train-status").stderr) is (not trigger)
+    listed = json.loads(c.manage("train-status", "--json").stdout)
+    assert (alone in listed[0].get("waits", "")) is (not trigger)
     # Its hints work when pasted from any directory, in the documented shell (.venv/bin first on
     # the PATH); the worker, which runs until stopped, only as far as its --help.
     hints = [line.split(": ", 1)[1] for line in out.stdout.splitlines() if ": manage.py " in line]

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from dflash_tasks.cli.common import JOB, console, redis_or_fail
+from dflash_tasks.cli.common import JOB, console, err_console, redis_or_fail
 from dflash_tasks.core.keys import JobName
 
 
@@ -121,8 +121,9 @@ def train(job: JobName, after_done: bool, min_rows: int | None, trainer: str, te
         raise click.ClickException(str(exc)) from None
     if trigger == "now":
         send(run.name)
+    alone = _no_training_worker() if trigger == "now" else None
     if as_json:
-        click.echo(json.dumps(run.as_dict(), indent=1))
+        click.echo(json.dumps({**run.as_dict(), **({"waits": alone} if alone else {})}, indent=1))
         return
     # Only the message of this trigger is formatted: min_rows is None for the other two.
     if trigger == "now":
@@ -134,6 +135,18 @@ def train(job: JobName, after_done: bool, min_rows: int | None, trainer: str, te
     console.print(f"training run [bold]{run.name}[/] ({trainer} trainer): {when}.\n"
                   f"  a training worker runs it: manage.py worker --queue train\n"
                   f"  follow it: manage.py train-status --run {run.name}", highlight=False)
+    if alone:
+        err_console.print(f"[yellow]{alone}[/]", highlight=False)
+
+
+def _no_training_worker() -> str | None:
+    """What a queued run waits for when no training worker answers Celery's ping, else None."""
+    from dflash_tasks.tasks.train import training_workers
+
+    if training_workers():
+        return None
+    return ("no training worker answers: the run waits in the train queue until one starts "
+            "(manage.py worker --queue train, on a GPU node)")
 
 
 def _smoke_now(job: JobName, spec: dict, as_json: bool) -> None:
@@ -234,12 +247,15 @@ def train_status(run_name: str | None, job: JobName | None, as_json: bool) -> No
     else:
         selected = [run for n in runs.names(r) if (run := runs.load(r, n))
                     and (job is None or run.job == job)]
+    # A queued run with no training worker alive waits without a word of its own: say so.
+    alone = _no_training_worker() if any(run.status == runs.QUEUED for run in selected) else None
     if as_json:
-        out = [run.as_dict() for run in selected]
+        out = [{**run.as_dict(), **({"waits": alone} if alone and run.status == runs.QUEUED
+                                    else {})} for run in selected]
         click.echo(json.dumps(out[0] if run_name else out, indent=1))
         return
     if run_name:
-        _detail(selected[0])
+        _detail(selected[0], alone)
         return
     if not selected:
         console.print("no training runs" + (f" for job {job}" if job else ""))
@@ -264,6 +280,8 @@ def train_status(run_name: str | None, job: JobName | None, as_json: bool) -> No
     for row in rows:
         t.add_row(*(row[col] for col in shown))
     console.print(t)
+    if alone:
+        err_console.print(f"[yellow]queued: {alone}[/]", highlight=False)
     if len(shown) < len(COLUMNS):
         console.print(f"(not shown at {console.width} columns: "
                       f"{', '.join(c for c in COLUMNS if c not in shown)}; "
@@ -289,7 +307,7 @@ def _columns_that_fit(rows: list[dict], width: int) -> list[str]:
     return shown
 
 
-def _detail(run) -> None:
+def _detail(run, alone: str | None = None) -> None:
     t = Table(title=f"training run {run.name}", show_header=False, box=None)
     t.add_column("what", no_wrap=True)
     t.add_column("value", overflow="fold")  # paths and the command wrap, never cut
@@ -298,6 +316,8 @@ def _detail(run) -> None:
     trigger = run.trigger + (f" ({run.min_rows:,} rows)" if run.trigger == "min-rows" else "")
     t.add_row("status", run.status + (f", phase {run.get('phase')}" if run.get("phase") else "")
               + f"; launched {trigger}")
+    if alone and run.status == "queued":
+        t.add_row("waits", f"[yellow]{alone}[/]")
     t.add_row("created / started / finished", " / ".join(
         _ago(run.get(k)) for k in ("created_at", "started_at", "finished_at")))
     if run.get("worker"):

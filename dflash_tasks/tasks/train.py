@@ -40,6 +40,14 @@ def send(run_name: str) -> None:
     app.send_task(TRAIN_TASK, args=[run_name], queue=TRAIN_QUEUE)
 
 
+def training_workers(timeout: float = 1.0) -> list[str]:
+    """Whether a training worker is alive, by Celery's own ping to the workers named as
+    `manage.py worker --queue train` names them (train@HOST): the first answer is enough."""
+    replies = app.control.ping(timeout=timeout, limit=1, pattern=f"{TRAIN_QUEUE}@*",
+                               matcher="glob")
+    return sorted(host for reply in replies for host in reply)
+
+
 @app.task(name=LAUNCH_TRAINING_TASK, ignore_result=True)
 def launch_training() -> None:
     """Beat's: launch the runs whose trigger holds, send again those never sent, queue again
