@@ -2,7 +2,12 @@
 deadlines), and a Redis of a test's own that can be crashed and restarted on its data."""
 from __future__ import annotations
 
+import os
+import re
+import shlex
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from dflash_dev.local import Proc, free_port, python, wait_until  # noqa: F401  (the tests' names)
@@ -45,3 +50,27 @@ class AofRedis:
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop()
+
+
+# -- hints: a command the CLI prints for the operator to run -------------------------------------
+
+HINT = re.compile(r"`(manage\.py [^`]+)`")
+LONG_RUNNING = ("worker", "beat")  # they run until stopped: pasted as far as their --help
+
+
+def hints_in(text: str) -> list[str]:
+    """Every command hint in what a command printed (each in backticks), its lines joined as a
+    terminal wraps them."""
+    return HINT.findall(" ".join(text.split()))
+
+
+def paste(hint: str, env: dict, cwd: Path, answer: str = "y\n") -> subprocess.CompletedProcess:
+    """Run a hint as an operator pastes it: in the documented shell (`source .venv/bin/activate`
+    puts manage.py on the PATH), from `cwd` (not the repository). A confirmation is answered
+    with `answer`."""
+    argv = shlex.split(hint)
+    if argv[1] in LONG_RUNNING:
+        argv.append("--help")
+    return subprocess.run(argv, cwd=cwd, input=answer, capture_output=True, text=True,
+                          timeout=120, env={**env, "PATH": f"{Path(sys.executable).parent}"
+                                                           f"{os.pathsep}{env['PATH']}"})

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import re
 import subprocess
 
 import pytest
 import redis
 from failure_support import check_books, sim_hold, sim_release, sim_stats
 from s3support import BUCKET, TcpProxy, assert_shipped_exactly_once, s3_cluster, storage
-from support import wait_until
+from support import hints_in, paste, wait_until
 from test_pipeline import SIM_ARGS, assert_exactly_once, dataset, start
 
 from dflash_tasks.core import jobs
@@ -224,8 +223,11 @@ def test_s3_out_while_bodies_are_read_spends_no_attempt_and_loses_nothing(cluste
     again, _ = dataset(tmp_path, 30)
     c.manage("enqueue", "--dataset", str(again), "--job", "cut", "--bodies", "storage",
              "--nodes", "elsewhere")  # no GPU here takes it: its prompts stay to be read
-    [command] = re.findall(r"`manage\.py (remove-chunks [^`]+)`", said)
-    assert "removed from" in c.manage(*command.split()).stdout
+    [command] = hints_in(said)
+    assert command.startswith("manage.py remove-chunks ")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert "removed from" in paste(command, c.env, elsewhere).stdout  # as pasted, from anywhere
     assert st.list("cut/prompts/") == [f"cut/prompts/chunk-{last + 1:06d}.zst"]
     refs = c.r.hvals("dflash:{cut}:prompts")
     assert len(refs) == 30 and all(bodies.read_frame(st, "cut", ref) for ref in refs)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 from conftest import write_jsonl
 from s3support import BUCKET, s3_cluster
 from specforge.config import load_config
-from support import ROOT, python, wait_until
+from support import ROOT, hints_in, paste, python, wait_until
 from test_training_data import good_row, six_token_row, write_batches
 from tokenizer_support import build_tokenizer
 
@@ -394,15 +393,12 @@ def test_train_prints_its_run_for_every_trigger(tmp_path, redis_url, trigger):
     assert (alone in c.manage("train-status").stderr) is (not trigger)
     listed = json.loads(c.manage("train-status", "--json").stdout)
     assert (alone in listed[0].get("waits", "")) is (not trigger)
-    # Its hints work when pasted from any directory, in the documented shell (.venv/bin first on
-    # the PATH); the worker, which runs until stopped, only as far as its --help.
-    hints = [line.split(": ", 1)[1] for line in out.stdout.splitlines() if ": manage.py " in line]
-    assert len(hints) == 2, out.stdout
+    # Its hints work when pasted from any directory (the worker, which runs until stopped, as
+    # far as its --help).
+    hints = hints_in(out.stdout)
+    assert hints == ["manage.py worker --queue train", "manage.py train-status --run tj-train-1"]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {**c.env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     for hint in hints:
-        argv = shlex.split(hint) + (["--help"] if " worker " in f" {hint} " else [])
-        result = subprocess.run(argv, cwd=elsewhere, env=env, capture_output=True, text=True,
-                                timeout=120)
+        result = paste(hint, c.env, elsewhere)
         assert result.returncode == 0 and "Traceback" not in result.stderr, (hint, result.stderr)

@@ -47,8 +47,8 @@ class LazyGroup(click.Group):
 
             near = difflib.get_close_matches(args[0], COMMANDS, n=3, cutoff=0.6)
             hint = f" Did you mean {' or '.join(near)}?" if near else ""
-            raise click.UsageError(f"No such command {args[0]!r}.{hint} (manage.py --help lists "
-                                   "them)", ctx)
+            raise click.UsageError(f"No such command {args[0]!r}.{hint} (`manage.py --help` "
+                                   "lists them)", ctx)
         return super().resolve_command(ctx, args)
 
     def get_command(self, ctx, name):

@@ -88,10 +88,10 @@ def failed(name: JobName, as_json: bool, limit: int) -> None:
         console.print(f"{gpu} circuit breaker: [{style}]{state}[/]{extra}")
     if data["failed"]:
         permanent = data["by_class"].get("permanent", 0)
-        console.print(f"Put them back with: manage.py retry-failed --job {name} "
-                      "[--reason REASON] [--gpu GPU]"
-                      + (f" (add --include-permanent for the {permanent:,} permanent ones, once "
-                         "what failed them is mended)" if permanent else ""))
+        console.print(f"Put them back with: `manage.py retry-failed --job {name}` (--reason "
+                      "REASON or --gpu GPU: only those"
+                      + (f"; --include-permanent: the {permanent:,} permanent ones too, once "
+                         "what failed them is mended)" if permanent else ")"))
 
 
 def _check_reason_and_gpu(r, name: JobName, reason: str | None, gpu: str | None) -> None:
@@ -169,4 +169,4 @@ def retry_failed(name: JobName, reason: str | None, gpu: str | None, include_per
                           "dispatched when it runs again[/]")
     elif report.requeued and not dry_run:
         console.print(f"GPU windows topped up ({report.dispatched:,} tasks sent); the rest go as "
-                      f"slots free up (watch: manage.py status --job {job.name})")
+                      f"slots free up (watch: `manage.py status --job {job.name}`)")

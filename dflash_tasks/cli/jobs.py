@@ -96,8 +96,8 @@ def cancel(name: JobName) -> None:
     console.print(f"job {name}: cancelled; {snap['remaining']:,} prompts have no row: "
                   f"{snap['pending']:,} never started"
                   + (f", {running:,} already sent finish and are kept" if running else "")
-                  + f" (`manage.py resume --job {name}` generates the rest, `delete` removes "
-                    "the job)")
+                  + f" (`manage.py resume --job {name}` generates the rest, "
+                    f"`manage.py delete --job {name}` removes the job)")
 
 
 @click.command("set")

@@ -15,7 +15,14 @@ from typing import Callable
 
 import click
 
-from dflash_tasks.cli.common import allowed_or_fail, console, job_option, job_or_fail, redis_or_fail
+from dflash_tasks.cli.common import (
+    MAX_OUTPUT_TOKENS,
+    allowed_or_fail,
+    console,
+    job_option,
+    job_or_fail,
+    redis_or_fail,
+)
 from dflash_tasks.core.keys import JobName
 from dflash_tasks.core.settings import get_settings
 from dflash_tasks.ledger.messages import compress_messages_json
@@ -197,9 +204,11 @@ def _continuation_store(r, s, name: JobName):
 
 
 def _refuse_capped(name: str, prompt_id: str, tokens: int, cap: int) -> None:
+    raised = min(2 * max(cap, tokens), MAX_OUTPUT_TOKENS)
     raise click.UsageError(
         f"row {prompt_id} already has {tokens:,} tokens and the job's max_tokens is {cap:,}: "
-        f"raise it first (manage.py set --job {name} --max-output-tokens N), then continue")
+        f"raise it first (to twice that: `manage.py set --job {name} --max-output-tokens "
+        f"{raised}`), then continue")
 
 
 def _continue_from_index(book, r, storage, spool, name: JobName, cap: int, tally: Tally) -> None:

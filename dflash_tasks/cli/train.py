@@ -133,8 +133,8 @@ def train(job: JobName, after_done: bool, min_rows: int | None, trainer: str, te
     else:
         when = f"waiting for {min_rows:,} shipped rows of job {job}; beat queues it then"
     console.print(f"training run [bold]{run.name}[/] ({trainer} trainer): {when}.\n"
-                  f"  a training worker runs it: manage.py worker --queue train\n"
-                  f"  follow it: manage.py train-status --run {run.name}", highlight=False)
+                  f"  a training worker runs it: `manage.py worker --queue train`\n"
+                  f"  follow it: `manage.py train-status --run {run.name}`", highlight=False)
     if alone:
         err_console.print(f"[yellow]{alone}[/]", highlight=False)
 
@@ -146,7 +146,7 @@ def _no_training_worker() -> str | None:
     if training_workers():
         return None
     return ("no training worker answers: the run waits in the train queue until one starts "
-            "(manage.py worker --queue train, on a GPU node)")
+            "(`manage.py worker --queue train`, on a GPU node)")
 
 
 def _smoke_now(job: JobName, spec: dict, as_json: bool) -> None:
@@ -206,8 +206,8 @@ def train_cancel(run_name: str | None, job: JobName | None) -> None:
         try:
             what = runs.request_cancel(r, name)
         except KeyError:
-            raise click.ClickException(f"no training run named {name!r} (manage.py "
-                                       "train-status lists them)") from None
+            raise click.ClickException(f"no training run named {name!r} "
+                                       "(`manage.py train-status` lists them)") from None
         if what == "cancelled":
             console.print(f"training run {name}: cancelled (it had not started)")
         elif what == "stopping":
@@ -242,7 +242,8 @@ def train_status(run_name: str | None, job: JobName | None, as_json: bool) -> No
     if run_name:
         run = runs.load(r, run_name)
         if run is None:
-            raise click.ClickException(f"no training run named {run_name!r}")
+            raise click.ClickException(f"no training run named {run_name!r} "
+                                       "(`manage.py train-status` lists them)")
         selected = [run]
     else:
         selected = [run for n in runs.names(r) if (run := runs.load(r, n))

@@ -129,8 +129,8 @@ def train_eval(run_name: str | None, step: int | None, checkpoint: Path | None,
         r = redis_or_fail()
         run = runs.load(r, run_name)
         if run is None:
-            raise click.ClickException(f"no training run named {run_name!r} (manage.py "
-                                       "train-status lists them)")
+            raise click.ClickException(f"no training run named {run_name!r} "
+                                       "(`manage.py train-status` lists them)")
         checkpoint = _checkpoint_of_run(run, step)
         reference = run.spec.get("reference") or {}
         try:

@@ -30,13 +30,17 @@ TRANSITIONS: dict[str, dict[str, str]] = {
     "finish":       {RUNNING: DONE},   # beat, once every prompt has its outcome and is shipped
 }
 
-# What to run instead, by the state that refused a command.
+# What to run instead, by the state that refused a command: commands to paste as they are (a
+# cancel or a delete still asks to confirm).
 _INSTEAD = {
-    LOADING: "wait for the enqueue that is loading it, or `delete` it if that enqueue died",
-    RUNNING: "`pause` or `cancel` it first",
-    PAUSED: "`resume` it",
-    CANCELLED: "`resume` it to generate the prompts it has left, or `delete` it",
-    DONE: "`retry-failed` or `regenerate` to generate again, `delete` to remove it",
+    LOADING: "wait for the enqueue that is loading it, or `manage.py delete --job {job}` if "
+             "that enqueue died",
+    RUNNING: "`manage.py pause --job {job}` or `manage.py cancel --job {job}` first",
+    PAUSED: "`manage.py resume --job {job}`",
+    CANCELLED: "`manage.py resume --job {job}` generates the prompts it has left, "
+               "`manage.py delete --job {job}` removes it",
+    DONE: "`manage.py retry-failed --job {job}` or `manage.py regenerate --job {job} "
+          "--finish-reason length` generate again, `manage.py delete --job {job}` removes it",
 }
 
 
@@ -53,5 +57,5 @@ def check(command: str, job: str, state: str) -> str:
     outcome = TRANSITIONS[command].get(state)
     if outcome is None:
         raise LifecycleError(f"job {job} is {state}: `{command}` is not allowed in that state; "
-                             f"{_INSTEAD.get(state, 'see `manage.py jobs`')}")
+                             f"{_INSTEAD.get(state, 'see `manage.py jobs`').format(job=job)}")
     return state if outcome == KEEP else outcome

@@ -85,7 +85,8 @@ def create(r: redis.Redis, job: JobName, trainer: str, spec: dict, *, trigger: s
     key = train_run(name)
     now = time.time()
     if not r.hsetnx(key, "run", name):
-        raise RunExists(f"training run {name} exists already (manage.py train-status --run {name})")
+        raise RunExists(f"training run {name} exists already "
+                        f"(`manage.py train-status --run {name}`)")
     status = QUEUED if trigger == "now" else WAITING
     r.hset(key, mapping={"job": job, "trainer": trainer, "spec": json.dumps(spec),
                          "trigger": trigger, "min_rows": min_rows, "status": status,
