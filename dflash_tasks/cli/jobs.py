@@ -16,6 +16,7 @@ from dflash_tasks.cli.common import (
     job_or_fail,
     params_or_fail,
     redis_or_fail,
+    storage_location,
 )
 from dflash_tasks.core import jobs, lifecycle
 from dflash_tasks.core.keys import JobName
@@ -167,7 +168,7 @@ def delete(name: JobName) -> None:
         _remove_chunks(name, gone.bodies, gone.chunks_through)
 
 
-def _remove_chunks(name: JobName, location: str, through: int) -> None:
+def _remove_chunks(name: JobName, location: str, through: int) -> int:
     """A deleted job's chunks of prompt bodies, removed; a storage that does not answer fails
     the command (exit 1) with where they are and the command that removes them later."""
     from dflash_tasks.ledger.bodies import chunks_prefix, remove_chunks
@@ -182,7 +183,9 @@ def _remove_chunks(name: JobName, location: str, through: int) -> None:
             f"job {name} is deleted, but its prompt chunks under {location} (those numbered "
             f"{through} or lower in {name}/prompts/) could not be removed ({exc}); once the "
             f"storage answers, run {remove_chunks_command(name, location, through)}") from None
-    console.print(f"job {name}: {chunks:,} chunks of prompt bodies removed from {where}")
+    if chunks:
+        console.print(f"job {name}: {chunks:,} chunks of prompt bodies removed from {where}")
+    return chunks
 
 
 def remove_chunks_command(name: JobName, location: str, through: int) -> str:
@@ -192,7 +195,7 @@ def remove_chunks_command(name: JobName, location: str, through: int) -> str:
 @click.command("remove-chunks")
 @click.option("--job", "name", type=JOB, required=True, metavar="NAME",
               help="The deleted job whose chunks are left.")
-@click.option("--location", required=True, metavar="DIR_OR_S3_URI",
+@click.option("--location", required=True, metavar="DIR_OR_S3_URI", callback=storage_location,
               help="Where its prompt bodies were kept, as `delete` said.")
 @click.option("--through", type=click.IntRange(min=0), required=True, metavar="N",
               help="The highest chunk number of the deleted job, as `delete` said.")
@@ -200,4 +203,7 @@ def remove_chunks_left(name: JobName, location: str, through: int) -> None:
     """Remove the chunks of prompt bodies a deleted job left on storage (`delete` names them
     when the storage did not answer): those numbered N or lower under the location's
     <job>/prompts/. A later job of the same name numbers its chunks higher and keeps them."""
-    _remove_chunks(name, location, through)
+    if not _remove_chunks(name, location, through):
+        raise click.ClickException(f"no chunk of job {name} numbered {through} or lower under "
+                                   f"{location}: nothing to remove (is it the job and location "
+                                   "`delete` named?)")

@@ -11,7 +11,7 @@ import click
 
 from dflash_tasks.cli.common import err_console
 from dflash_tasks.core.keys import CONTROL_QUEUE, TRAIN_QUEUE, GpuName, check_node_name
-from dflash_tasks.core.settings import get_settings, redact_url
+from dflash_tasks.core.settings import check_http_url, get_settings, redact_url
 
 # -- processes ----------------------------------------------------------------------------------
 
@@ -23,6 +23,17 @@ def _exec_celery(args: list[str]) -> None:
     """Replace this process with Celery's, so signals (TERM for a warm shutdown) reach it."""
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, "-m", *celery_argv(args)])
+
+
+# Celery's own levels, checked here: Celery's refusal of another comes after a worker has started.
+LOG_LEVEL = click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False)
+
+
+def _server_url(ctx, param, url: str | None) -> str | None:
+    try:
+        return check_http_url(url) if url else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
 
 
 class _OneRole(click.Command):
@@ -47,13 +58,13 @@ class _OneRole(click.Command):
               show_default="DFLASH_NODE, else the host's short name")
 @click.option("--queue", type=click.Choice([TRAIN_QUEUE]),
               help="train: the training worker (one run at a time; manage.py train queues runs).")
-@click.option("--sglang-url", help="This GPU's SGLang server.",
+@click.option("--sglang-url", help="This GPU's SGLang server.", callback=_server_url,
               show_default="http://127.0.0.1:{30000+I}")
 @click.option("--concurrency", type=click.IntRange(min=1),
               help="Requests in flight.",
               show_default="the server's max_running_requests plus a margin")
-@click.option("--loglevel", default="INFO", show_default=True,
-              help="Celery's log level: DEBUG, INFO, WARNING, ERROR.")
+@click.option("--loglevel", type=LOG_LEVEL, default="INFO", show_default=True,
+              help="Celery's log level.")
 def worker(gpu: int | None, node: str | None, queue: str | None, sglang_url: str | None,
            concurrency: int | None, loglevel: str) -> None:
     """A Celery worker pinned to one GPU's queue and server (--gpu), or the training worker
@@ -98,8 +109,8 @@ def worker(gpu: int | None, node: str | None, queue: str | None, sglang_url: str
 
 
 @click.command()
-@click.option("--loglevel", default="INFO", show_default=True,
-              help="Celery's log level: DEBUG, INFO, WARNING, ERROR.")
+@click.option("--loglevel", type=LOG_LEVEL, default="INFO", show_default=True,
+              help="Celery's log level.")
 def beat(loglevel: str) -> None:
     """Celery beat with a small worker for its `control` queue (progress.json, batches, refills).
     Run one per deployment; a second one by mistake corrupts nothing (locks, idempotent ticks)."""

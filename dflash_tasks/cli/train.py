@@ -31,6 +31,10 @@ def _spec(config: Path | None, trainer: str, template: str | None, command: str 
         return build(read_config(config), trainer, template, str(config or "--config"),
                      commands)
     except SpecError as exc:
+        if config is None and trainer == "reference":
+            raise click.UsageError("the reference trainer needs --config FILE: its "
+                                   "[reference] section names the target model at least "
+                                   f"(docs/TRAINING.md); {exc}") from None
         raise click.BadParameter(str(exc), param_hint="--config" if config or not template
                                  else "--template") from None
 
@@ -111,9 +115,9 @@ def train(job: JobName, after_done: bool, min_rows: int | None, trainer: str, te
     if template and command:
         raise click.UsageError("--template and --command are exclusive")
     trigger = "after-done" if after_done else "min-rows" if min_rows else "now"
-    spec = _spec(config, trainer, template, command)
     r = redis_or_fail()
     _check_job(r, job, waits=trigger != "now")
+    spec = _spec(config, trainer, template, command)
     try:
         run = runs.create(r, job, trainer, spec, trigger=trigger, min_rows=min_rows or 0,
                           name=run_name)

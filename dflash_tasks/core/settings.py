@@ -232,6 +232,11 @@ class Settings(BaseSettings):
     def _node_name(cls, value: str) -> str:
         return check_node_name(value)
 
+    @field_validator("sglang_url")
+    @classmethod
+    def _sglang_url_is_usable(cls, url: str | None) -> str | None:
+        return check_http_url(url) if url else None
+
     @field_validator("redis_url")
     @classmethod
     def _redis_url_is_usable(cls, url: str) -> str:
@@ -352,6 +357,19 @@ def check_location(where: str) -> str:
         raise ValueError(f"{where!r}: {scheme.group(1)}: is not a storage this project writes "
                          "(a directory, or s3://bucket/prefix)")
     return where
+
+
+def check_http_url(url: str) -> str:
+    """A server's base URL, http(s)://HOST[:PORT]: ValueError naming what is wrong otherwise
+    (`localhost:30000` would be taken as a scheme, `http//host` as a relative path)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{redact_url(url)!r} is not a server URL: write http://HOST:PORT")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"{redact_url(url)!r}: the port is not a number from 0 to 65535") from None
+    return url
 
 
 def default_node_name() -> str:
