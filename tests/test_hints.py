@@ -4,8 +4,12 @@ run as an operator pastes it, from a directory that is not the repository's. The
 hints are pasted in test_train_queue, remove-chunks' in test_prompt_bodies."""
 from __future__ import annotations
 
+import signal
+import subprocess
+from pathlib import Path
+
 import pytest
-from conftest import write_jsonl
+from conftest import ROOT, python, write_jsonl
 from support import hints_in, paste, wait_until
 
 PROMPTS = [{"id": f"p{i}", "prompt": f"w{i} w{i + 1} w{i + 2}"} for i in range(4)]
@@ -95,3 +99,28 @@ def test_the_hints_of_unknown_names_run_when_pasted(cluster, elsewhere):
         result = c.manage(*args, check=False)
         assert result.returncode != 0
         pasted(c, result.stderr, elsewhere, 1)
+
+
+def test_ctrl_c_stops_the_watch_not_the_job_and_says_so(cluster, tmp_path):
+    """status --watch (and enqueue --follow) interrupted: not click's bare 'Aborted!', but what
+    stopped (the watching), that the job goes on, and how to watch again."""
+    c = cluster()  # no worker: the job stays running while it is watched
+    data = write_jsonl(tmp_path / "d.jsonl", PROMPTS)
+    c.manage("enqueue", "--dataset", str(data), "--job", "w")
+    held = tmp_path / "watching"  # held in its loop, then interrupted there
+    held.touch()
+    watch = subprocess.Popen(python("manage.py", "status", "--job", "w", "--watch"),
+                             env={**c.env, "DFLASH_FAILPOINTS": f"status.watching=hold:{held}"},
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: Path(f"{held}.reached").exists() or watch.poll() is not None,
+                   timeout=60, what="the watch in its loop")
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=60)
+    finally:
+        watch.kill()
+    assert watch.returncode == 130, err
+    said = " ".join(err.split())
+    assert "Aborted" not in said and "Traceback" not in said, said
+    assert hints_in(said) == ["manage.py status --job w --watch"], said
+    assert c.status("w")["status"] == "running"

@@ -113,6 +113,7 @@ def test_pause_resume_cancel_lose_nothing(cluster, tmp_path):
 
     jobs = c.manage("jobs").stdout
     assert "steer" in jobs and "cancelled" in jobs
+    assert f"steer writes to {c.output_dir}" in jobs.splitlines(), jobs  # the path whole
 
 
 def test_regenerate_continues_truncated_rows_after_raising_the_cap(cluster, tmp_path):

@@ -46,11 +46,14 @@ def list_jobs(as_json: bool) -> None:
         click.echo(json.dumps(listed, indent=1))
         return
     table = Table("job", "status", "done", "total", "failed", "max_tokens", "gpus")
-    table.add_column("output", overflow="fold")  # a path is read whole, not cut
     for j in listed:
         table.add_row(j["job"], j["status"], f"{j['completed']:,}", f"{j['total']:,}",
-                      f"{j['failed']:,}", str(j["max_tokens"]), j["gpus"], j["output"])
+                      f"{j['failed']:,}", str(j["max_tokens"]), j["gpus"])
     console.print(table)
+    # Below the table, one line each: a path in a table column is folded across lines, and
+    # one copied from there is not the path.
+    for j in listed:
+        console.print(f"{j['job']} writes to {j['output']}", soft_wrap=True, highlight=False)
 
 
 @click.command()

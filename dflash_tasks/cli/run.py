@@ -474,14 +474,20 @@ def _duration(hours: float | None) -> str:
 
 def _watch(r, name: JobName) -> str:
     """The status panel, refreshed every second until the job is done or cancelled; returns
-    that state."""
-    with Live(_status_table(_snapshot(r, name)), console=console, refresh_per_second=1) as live:
-        while True:
-            snap = _snapshot(r, name)
-            live.update(_status_table(snap))
-            if snap["status"] in ("done", "cancelled"):
-                return snap["status"]
-            time.sleep(1.0)
+    that state. Ctrl-C stops the watching, not the job, and says so (exit 130, the shell's)."""
+    try:
+        with Live(_status_table(_snapshot(r, name)), console=console, refresh_per_second=1) as live:
+            while True:
+                snap = _snapshot(r, name)
+                live.update(_status_table(snap))
+                if snap["status"] in ("done", "cancelled"):
+                    return snap["status"]
+                get_settings().failpoint("status.watching")
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        err_console.print(f"stopped watching; job {name} goes on (`manage.py status --job {name} "
+                          "--watch` watches it again)", highlight=False)
+        raise SystemExit(130) from None
 
 
 @click.command()
