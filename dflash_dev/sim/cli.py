@@ -28,6 +28,9 @@ _POSITIVE = click.FloatRange(min=0.0, min_open=True)
               help="Median natural output length.")
 @click.option("--p-over-4096", type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True), default=0.18,
               show_default=True, help="Share of natural outputs longer than 4096 tokens.")
+@click.option("--loop-share", type=_PROBABILITY, default=0.0, show_default=True,
+              help="Share of prompts whose output falls into a loop (a stretch of its reasoning "
+                   "repeated) and runs to any cap.")
 @click.option("--fixed-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="If > 0, every natural output is exactly this long.")
 @click.option("--sampling", type=click.Choice(["fixed", "random"]), default="fixed", show_default=True,

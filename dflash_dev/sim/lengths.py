@@ -91,19 +91,38 @@ class ResponsePlan:
         return max_new_tokens, "length"
 
 
+def loop_of(key: bytes, loop_share: float) -> tuple[int, int] | None:
+    """(first word, period) of the degenerate loop the output of this key falls into, for a
+    share `loop_share` of keys; None for the others. It begins after 200 to 3,000 words and
+    repeats 16 to 255 words: cut at a 4,096-token cap, at least four copies of it."""
+    if loop_share <= 0:
+        return None
+    drawn = hashlib.blake2b(key + b"loop", digest_size=12).digest()
+    if _unit(drawn, 0, 4) >= loop_share:
+        return None
+    return 200 + int(2800 * _unit(drawn, 4, 8)), 16 + int(240 * _unit(drawn, 8, 12))
+
+
 def plan_response(prompt_ids: Sequence[int], thinking: bool, *, median: float = 1800.0,
                   p_over_4096: float = 0.18, fixed_tokens: int = 0,
-                  byte_level: bool = False, salt: int | None = None) -> ResponsePlan:
+                  byte_level: bool = False, salt: int | None = None,
+                  loop_share: float = 0.0) -> ResponsePlan:
     """The plan for a rendered prompt; `fixed_tokens` > 0 makes every natural length that long;
     `byte_level`: the byte-level tokenizer's output (tokens.py); `salt`: one of the prompt's
     sampled outputs (its own length and words), None: the one a greedy request gets, always the
     same. A sampled output says its salt as its first two words, so that a continuation on any
-    server reads it back from the ids (salt_of) and goes on with the same output."""
+    server reads it back from the ids (salt_of) and goes on with the same output. A share
+    `loop_share` of outputs fall into a loop (loop_of) and never end: every cap cuts them."""
     key = tokens.prompt_key(prompt_ids)
     head: tuple[int, ...] = ()
     if salt is not None:
         key = hashlib.blake2b(key + salt.to_bytes(8, "big"), digest_size=16).digest()
         head = (salt % tokens.VOCAB, salt // tokens.VOCAB)
+    if loop := loop_of(key, loop_share):
+        forever = 1 << 40
+        layout = tokens.Layout(thinking, forever, forever, int.from_bytes(key[10:14], "big"),
+                               byte_level, head, loop)
+        return ResponsePlan(key, len(prompt_ids), layout)
     natural = fixed_tokens if fixed_tokens > 0 else natural_length(key, median, p_over_4096)
     return ResponsePlan(key, len(prompt_ids), layout_for(key, natural, thinking, byte_level, head))
 
@@ -121,18 +140,20 @@ class ChatOutcome:
     natural_tokens: int
     finish_reason: str  # "stop" or "length"
     reasoning_tokens: int
+    loop: tuple[int, int] | None = None  # (first word, period) of the loop it falls into
 
 
 def chat_plan(messages: Sequence[dict], max_tokens: int | None = None, *, enable_thinking: bool = True,
               median: float = 1800.0, p_over_4096: float = 0.18, fixed_tokens: int = 0,
-              context_length: int = 40960) -> ChatOutcome:
+              context_length: int = 40960, loop_share: float = 0.0) -> ChatOutcome:
     """What the simulated server answers to this chat request (same parameters as its options)."""
     plan = plan_response(tokens.render_chat(messages, enable_thinking), enable_thinking,
-                         median=median, p_over_4096=p_over_4096, fixed_tokens=fixed_tokens)
+                         median=median, p_over_4096=p_over_4096, fixed_tokens=fixed_tokens,
+                         loop_share=loop_share)
     cap = context_length - plan.prompt_tokens if max_tokens is None else max_tokens
     completion, finish = plan.outcome(0, cap)
     return ChatOutcome(plan.prompt_tokens, completion, plan.natural_tokens, finish,
-                       plan.layout.reasoning_tokens(completion))
+                       plan.layout.reasoning_tokens(completion), plan.layout.loop)
 
 
 def service_seconds(prompt_tokens: int, completion_tokens: int, *, decode_tps: float = 2000.0,

@@ -75,6 +75,8 @@ class SimConfig:
     median_tokens: float = 1800.0
     p_over_4096: float = 0.18
     fixed_tokens: int = 0
+    # The share of prompts whose output falls into a loop and runs to any cap (lengths.loop_of).
+    loop_share: float = 0.0
     # "fixed": every request for a prompt gets its one output (benchmarks compute every length in
     # advance); "random": a request at a temperature above 0 draws one of the prompt's outputs at
     # random, and a continuation goes on with the one its ids began (lengths.plan_response).
@@ -602,7 +604,8 @@ class SimServer:
         return lengths.plan_response(prompt_ids, thinking, median=config.median_tokens,
                                      p_over_4096=config.p_over_4096,
                                      fixed_tokens=config.fixed_tokens,
-                                     byte_level=self.byte_level, salt=salt)
+                                     byte_level=self.byte_level, salt=salt,
+                                     loop_share=config.loop_share)
 
     def _generate_body(self, gen: Generation, outcome: str, _params: None) -> dict:
         layout, n, start = gen.plan.layout, gen.completion, gen.start

@@ -50,7 +50,7 @@ SPECIAL_TEXT = {v: k for k, v in SPECIAL_IDS.items()}
 _SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_IDS) + ")")
 
 _TABLE_SIZE = 1 << 16
-# What the byte-level mode's model writes, over and over: every character of it is 1 to 4 bytes.
+# What the byte-level mode's model writes, line by line: every character of it is 1 to 4 bytes.
 _BYTE_TEXT = ("好的，让我想想这个问题。\n首先 🤔 we need the sum: 3 + 4 = 7 ✅\n"
               "然后检查边界情况 🧮🔍 — naïve café, Ελληνικά, русский текст.\n\n"
               "答案是四十二 🎉 The answer is 42.\n")
@@ -166,8 +166,14 @@ def _build_tables() -> tuple[list[int], list[str], list[int]]:
     rng = random.Random(0x5EED)
     table = [rng.randrange(VOCAB) for _ in range(_TABLE_SIZE)]
     words = [f"w{i}" for i in table]
-    text = _BYTE_TEXT.encode()
-    raw = list((text * (_TABLE_SIZE // len(text) + 1))[:_TABLE_SIZE])
+    # Its lines in a random order, each numbered, with a sum of its own: text that never repeats
+    # itself back to back, as a loop does (dflash_tasks/output/loops.py would name it one).
+    lines = _BYTE_TEXT.splitlines(keepends=True)
+    text = bytearray()
+    while len(text) < _TABLE_SIZE:
+        a, b = rng.randrange(100), rng.randrange(100)
+        text += f"{len(text)}. {a} + {b} = {a + b}: {rng.choice(lines)}".encode()
+    raw = list(text[:_TABLE_SIZE])
     # doubled, so any window of up to a table length is a slice
     return table + table, words + words, raw + raw
 
@@ -202,14 +208,18 @@ class Layout:
     """How one prompt's natural response is laid out in positions 0..length."""
 
     __slots__ = ("thinking", "reasoning", "answer", "offset", "length", "byte_level", "head",
-                 "_segments")
+                 "loop", "_segments")
 
     def __init__(self, thinking: bool, reasoning: int, answer: int, offset: int,
-                 byte_level: bool = False, head: tuple[int, ...] = ()):
+                 byte_level: bool = False, head: tuple[int, ...] = (),
+                 loop: tuple[int, int] | None = None):
         self.thinking = thinking
         self.byte_level = byte_level
         # Word ids said first, before the table's (a sampled output's salt: lengths.py)
         self.head = head
+        # (first word, period): from that word on, the words repeat the `period` before them
+        # for ever (a degenerate loop: lengths.py's loop_share)
+        self.loop = loop
         offset = char_start(offset) if byte_level else offset
         self.reasoning = reasoning if thinking else 0
         self.answer = answer
@@ -234,10 +244,25 @@ class Layout:
             if special is not None:
                 out.append(special)
             else:
-                j = self.offset + base + lo - s0
-                words = _window(_BYTES2 if self.byte_level else _IDS2, j, j + hi - lo)
+                words = self._words(_BYTES2 if self.byte_level else _IDS2, base + lo - s0, hi - lo)
                 out.extend(self._headed(words, base + lo - s0, as_text=False))
         return out
+
+    def _words(self, seq2: list, first: int, count: int) -> list:
+        """Words first..first+count of the response, from the table (`seq2`), looped."""
+        if self.loop is None:
+            return _window(seq2, self.offset + first, self.offset + first + count)
+        start, period = self.loop
+        words = []
+        if first < start:
+            n = min(count, start - first)
+            words = _window(seq2, self.offset + first, self.offset + first + n)
+            first, count = first + n, count - n
+        if count > 0:
+            cycle = _window(seq2, self.offset + start, self.offset + start + period)
+            k = (first - start) % period
+            words += (cycle * ((k + count) // period + 1))[k:k + count]
+        return words
 
     def _headed(self, words: list, first: int, *, as_text: bool) -> list:
         """`words` (the response's words first.. from the table, as ids or as text) with the
@@ -260,11 +285,10 @@ class Layout:
             if special is not None:
                 parts.append(SPECIAL_TEXT[special])
             elif self.byte_level:
-                j = self.offset + base + lo - s0
-                parts.append(bytes(_window(_BYTES2, j, j + hi - lo)).decode("utf-8", "replace"))
+                parts.append(bytes(self._words(_BYTES2, base + lo - s0, hi - lo))
+                             .decode("utf-8", "replace"))
             else:
-                j = self.offset + base + lo - s0
-                words = _window(_WORDS2, j, j + hi - lo)
+                words = self._words(_WORDS2, base + lo - s0, hi - lo)
                 parts.append(" ".join(self._headed(words, base + lo - s0, as_text=True)))
         return "".join(parts)
 

@@ -246,6 +246,12 @@ def rule_options(f=None, *, from_config: bool = False):
                      help="Keep rows cut by max_tokens (dropped by default: their answer never "
                           "finished)." + (" [default: [rules] keep_truncated, else the trainer's]"
                                           if from_config else ""))(f)
+    f = click.option("--keep-looping/--drop-looping" if from_config else "--keep-looping",
+                     default=None if from_config else False, is_flag=True,
+                     help="Keep rows whose output ends in a repetition loop (dropped by default: "
+                          "a drafter trained on them learns the loop)."
+                          + (" [default: [rules] keep_looping, else the trainer's]"
+                             if from_config else ""))(f)
     f = click.option("--max-length", type=click.IntRange(min=1), **default(16384, "max_length"),
                      help="The training max length: longer rows (input ids) are flagged and "
                           "dropped.")(f)

@@ -427,6 +427,9 @@ def _status_table(snap: dict, width: int | None = None) -> Table:
     t.add_row("finish reasons", (", ".join(f"{k}={v:,}" for k, v in sorted(snap["finish_reasons"].items()))
                                  or "none yet")
               + f"  (truncated {snap['truncated_pct']:.1f}%)")
+    if (cut := snap.get("truncated") or {}).get("rows"):
+        t.add_row("truncated", f"{cut['looping']:,} looping, {cut['progressing']:,} still "
+                               f"progressing (`manage.py stats --job {snap['job']}` says more)")
     where = snap.get("output") or "local"
     t.add_row("batches", f"{snap['batches']:,} ({snap['batch_bytes']:,} bytes, {where}), "
                          f"{snap['unsealed_rows']:,} rows waiting")

@@ -64,6 +64,15 @@ def stats(name: JobName, as_json: bool, source: str | None, sample: int, plot: P
     console.print(f"truncated: {result['truncated_pct']:.1f}% of all rows"
                   + (f"; in the sample {s['truncated_thinking_pct']:.1f}% while thinking (no answer), "
                      f"{s['truncated_answer_pct']:.1f}% in the answer" if s["rows"] else ""))
+    split = result["truncated"]
+    if split["rows"]:
+        console.print(
+            f"truncated rows: {split['looping']:,} looping "
+            f"({100 * split['looping'] / split['rows']:.1f}%, {split['looping_mean_tokens']:,} "
+            f"tokens on average: a higher cap buys more of the loop), {split['progressing']:,} "
+            "still progressing (a higher cap may let them finish)"
+            + (f"; loop periods in the sample: p50 {s['loop_periods']['p50']:,}, max "
+               f"{s['loop_periods']['max']:,} tokens" if s["loop_periods"]["count"] else ""))
     if s["rows"]:
         console.print(f"sample: {s['empty_answers']:,} empty answers, {s['empty_reasoning']:,} empty "
                       f"reasoning, {s['think_markers_in_content']:,} think markers in content")

@@ -61,6 +61,9 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
                                f"{figures['marker_in_reasoning']:,} in reasoning "
                                f"(limit {100 * th.max_marker_share:g}%)")
     t.add_row("truncated", f"{figures['truncated_pct']}% (limit {100 * th.max_truncated_share:g}%)")
+    t.add_row("looping", f"{figures['looping']:,} rows end in a repetition loop "
+                         f"({figures['looping_pct']}%; "
+                         + ("kept" if figures["rules"]["keep_looping"] else "dropped") + ")")
     t.add_row("over max length", f"{figures['over_length']:,} rows over "
                                  f"{figures['rules']['max_length']:,} (longest "
                                  f"{figures['max_input_len']:,}; limit "
@@ -163,7 +166,7 @@ def _the_gate(config: Path | None, trainer: str, rules: dict, limits: dict):
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def validate(name: JobName, source: str | None, config: Path | None, trainer: str,
              tokenizer: Path | None, min_loss_tokens: int | None, max_length: int | None,
-             keep_truncated: bool | None, sample: int, compare_rows: int, as_json: bool,
+             keep_truncated: bool | None, keep_looping: bool | None, sample: int, compare_rows: int, as_json: bool,
              **limits) -> None:
     """The quality gate: check a job's shipped rows before training on them. Reports the
     loss-mask distribution (and a spike at one value), empty answers and reasoning, think
@@ -177,7 +180,8 @@ def validate(name: JobName, source: str | None, config: Path | None, trainer: st
 
     rules, th = _the_gate(config, trainer, {"min_loss_tokens": min_loss_tokens,
                                             "max_length": max_length,
-                                            "keep_truncated": keep_truncated}, limits)
+                                            "keep_truncated": keep_truncated,
+                                            "keep_looping": keep_looping}, limits)
     storage = job_storage_from(source, name)
     template = chat_template_option(tokenizer)
     try:

@@ -112,12 +112,13 @@ class EndedRow:
     # The index record's first line as read: reopen.lua takes the row back only while it is
     # still that one. Empty for a row read from a batch.
     indexed: str = ""
+    looping: bool = False  # its output ends in a loop (metadata.loop: output/loops.py)
 
     @classmethod
     def from_row(cls, row: dict) -> "EndedRow":
         meta = row["metadata"]
         return cls(row["id"], meta["finish_reason"], int(meta["prompt_tokens"]),
-                   int(meta["completion_tokens"]), made_by(meta))
+                   int(meta["completion_tokens"]), made_by(meta), looping=bool(meta.get("loop")))
 
 
 def made_by(meta: dict, gpu: str | None = None) -> str:
@@ -129,6 +130,17 @@ def made_by(meta: dict, gpu: str | None = None) -> str:
     if not shares:
         return recorded_on
     return recorded_on + "/" + ",".join(f"{s['gpu']}={int(s['tokens'])}" for s in shares)
+
+
+def truncated_split(counters: dict[str, int]) -> dict:
+    """The rows cut at the cap, looping (their output ends in a loop: more tokens buy more of
+    it, output/loops.py) and still progressing (a higher cap may let them finish), and the
+    looping ones' mean length, from the ledger's counters (complete.lua): every row, at O(1)."""
+    truncated = counters.get("finish:length", 0)
+    looping = counters.get("looping:length", 0)
+    looping_tokens = counters.get("looping_tokens:length", 0)
+    return {"rows": truncated, "looping": looping, "progressing": truncated - looping,
+            "looping_mean_tokens": round(looping_tokens / looping) if looping else 0}
 
 
 def entry_order(entry: str) -> tuple[int, int]:
@@ -212,7 +224,8 @@ class Ledger:
                    input_tokens=ended.prompt_tokens, output_tokens=out,
                    finish_reason=ended.finish_reason, gpu=ended.gpu,
                    hist_bucket=out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS,
-                   continued_tokens=continued_tokens, indexed=ended.indexed, place=ended.entry)
+                   continued_tokens=continued_tokens, indexed=ended.indexed, place=ended.entry,
+                   looping="1" if ended.looping else "")
         return [bool(done) for done in pipe.execute()]
 
     def ended_count(self, job: JobName, reason: str) -> tuple[int, int]:
@@ -236,10 +249,12 @@ class Ledger:
         cutoff = entry_order(_s(last))
         for prompt_id, raw in self.r.hscan_iter(job.ended(reason), count=500):
             head, _, prompt = raw.partition(b"\n")
-            entry, prompt_tokens, completion_tokens, gpu = head.decode().split(" ")
+            # A fifth field, "loop", marks a looping row (complete.lua; older records have four).
+            entry, prompt_tokens, completion_tokens, gpu, *loop = head.decode().split(" ")
             if entry_order(entry) <= cutoff:
                 yield EndedRow(_s(prompt_id), reason, int(prompt_tokens), int(completion_tokens),
-                               gpu, entry, prompt if prompts else None, head.decode())
+                               gpu, entry, prompt if prompts else None, head.decode(),
+                               looping=loop == ["loop"])
 
     # -- outcomes --------------------------------------------------------------------------------
 
@@ -275,7 +290,7 @@ class Ledger:
             superseding=job.superseding, superseded=job.superseded, id=prompt_id,
             row=json.dumps(row, ensure_ascii=False, separators=(",", ":")),
             input_tokens=int(meta["prompt_tokens"]), output_tokens=out, finish_reason=reason,
-            gpu=gpu, rate_bucket_s=rate_bucket_s,
+            gpu=gpu, rate_bucket_s=rate_bucket_s, looping="1" if meta.get("loop") else "",
             hist_bucket=out // HIST_BUCKET_TOKENS * HIST_BUCKET_TOKENS,
             inflight_prefix=job.inflight(""), prompt=prompt, tokens_per_s=speed,
             speed_weight=self.speed_weight, shares=shares, made=tokens)

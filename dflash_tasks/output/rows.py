@@ -11,6 +11,9 @@ whole conversation (tokens summed over its replies, `finish_reason` its last rep
 ids in the context it was generated in. A reply cut at the cap ends the conversation there; the
 turns left unanswered are `metadata.unanswered`.
 
+`metadata.loop` ({"period", "repeats", "tokens"}) marks an output that ends in a repetition loop
+(output/loops.py), whatever its finish reason; absent otherwise.
+
 `status` is "success" only for a generation that ended by itself; a truncated one says
 "truncated" (finish_reason "length"), so it is never trained on as a finished answer by mistake.
 
@@ -26,6 +29,7 @@ import time
 from dflash_tasks.core import conversation
 from dflash_tasks.core.jobs import GenerationParams
 from dflash_tasks.core.keys import GpuName
+from dflash_tasks.output.loops import loop_metadata
 from dflash_tasks.sglang import Completion, ServerContract
 
 
@@ -105,4 +109,6 @@ def build_row(prompt_id: str, messages: list[dict], c: Completion, *, job: str, 
         row["metadata"]["gpus"] = [share.stored() for share in c.worked]
     if c.prompt_token_ids is not None and c.response_token_ids is not None:
         row["token_ids"] = {"prompt": c.prompt_token_ids, "response": c.response_token_ids}
+    if loop := loop_metadata(c.response_token_ids):  # its output ends in a loop (loops.py)
+        row["metadata"]["loop"] = loop
     return row

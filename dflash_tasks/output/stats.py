@@ -16,7 +16,7 @@ import redis
 
 from dflash_tasks.core.keys import GpuName, JobName
 from dflash_tasks.ingest.prompts import prompt_of
-from dflash_tasks.ledger import HIST_BUCKET_TOKENS
+from dflash_tasks.ledger import HIST_BUCKET_TOKENS, truncated_split
 from dflash_tasks.ledger.histogram import bucket_value, length_percentile, rank
 from dflash_tasks.output.batches import iter_newest_rows
 from dflash_tasks.output.storage import Storage
@@ -76,7 +76,9 @@ def row_facts(row: dict) -> dict:
         "think_marker_in_content": any(m in content for m in THINK_MARKERS),
         # Cut by the cap before the answer began: the reasoning never finished.
         "truncated_thinking": meta["finish_reason"] == "length" and not content.strip(),
+        "loop_period": (meta.get("loop") or {}).get("period"),  # ends in a loop (loops.py)
     }
+
 
 
 def _pct(part: int, whole: int) -> float:
@@ -116,6 +118,7 @@ def job_stats(r: redis.Redis, storage: Storage, job: JobName, *, max_tokens: int
         "output_tokens": histogram_percentiles(hist, max_tokens),
         "finish_reasons": finish,
         "truncated_pct": _pct(finish.get("length", 0), completed),
+        "truncated": truncated_split(raw),
         # enqueue --samples: rows a prompt gives, and how many it has so far on average
         "rows_per_prompt": {"samples": samples, "prompts": prompts,
                             "mean": round(completed / prompts, 2) if prompts else 0.0},
@@ -136,6 +139,11 @@ def job_stats(r: redis.Redis, storage: Storage, job: JobName, *, max_tokens: int
             "truncated_pct": _pct(len(truncated), len(facts)),
             "truncated_thinking_pct": _pct(sum(f["truncated_thinking"] for f in truncated), len(facts)),
             "truncated_answer_pct": _pct(sum(not f["truncated_thinking"] for f in truncated), len(facts)),
+            # the truncated rows of the sample, looping or progressing, with their lengths
+            "truncated_looping": summary(f["output_tokens"] for f in truncated if f["loop_period"]),
+            "truncated_progressing": summary(f["output_tokens"] for f in truncated
+                                             if not f["loop_period"]),
+            "loop_periods": summary(f["loop_period"] for f in truncated if f["loop_period"]),
             "empty_answers": sum(f["empty_answer"] for f in facts),
             "empty_reasoning": sum(f["empty_reasoning"] for f in facts),
             "think_markers_in_content": sum(f["think_marker_in_content"] for f in facts),

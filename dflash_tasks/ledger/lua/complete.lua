@@ -1,13 +1,15 @@
 -- Record a finished prompt exactly once: done mark, counters and output row in one atomic step,
 -- so the counters always equal what the output holds, whatever is delivered twice.
 --- keys: done inflight prompts failed counters rate output pending config gpus ended speed superseding superseded
---- args: id row input_tokens output_tokens finish_reason gpu rate_bucket_s hist_bucket inflight_prefix prompt tokens_per_s speed_weight shares made
+--- args: id row input_tokens output_tokens finish_reason gpu rate_bucket_s hist_bucket inflight_prefix prompt tokens_per_s speed_weight shares made looping
 --- uses: elsewhere shares
 -- inflight: the GPU's; ended: the index of rows that ended finish_reason. prompt: its messages as
 -- `prompts` stores them (empty: a reason not indexed); tokens_per_s: the request's (empty when
 -- too short to say); shares: each GPU's tokens of a row made in several requests (shares.lua);
 -- made: the tokens this last request generated here (the rates: a round handed on counted its
--- own when it was made, next_round.lua, and a truncated row's prefix was counted long ago).
+-- own when it was made, next_round.lua, and a truncated row's prefix was counted long ago);
+-- looping: "1" when the row's output ends in a loop (output/loops.py), counted by finish reason
+-- ("looping:length": the truncated rows not worth continuing) and marked in its index record.
 -- Returns 1 when recorded, 0 when the id was already done (a duplicate delivery) or the job was
 -- deleted while the request ran (nothing is written: its keys stay gone).
 -- A row recorded after the job was marked done (a late delivery of a prompt in the failed
@@ -35,6 +37,10 @@ redis.call('HINCRBY', counters, 'completed', 1)
 redis.call('HINCRBY', counters, 'input_tokens', input)
 redis.call('HINCRBY', counters, 'output_tokens', output_count)
 redis.call('HINCRBY', counters, 'finish:' .. finish_reason, 1)
+if looping ~= '' then
+  redis.call('HINCRBY', counters, 'looping:' .. finish_reason, 1)
+  redis.call('HINCRBY', counters, 'looping_tokens:' .. finish_reason, output_count)
+end
 redis.call('HINCRBY', counters, 'hist:' .. hist_bucket, 1)
 redis.call('HINCRBY', counters, per_gpu .. 'completed', 1)
 credit_shares(counters, shares, gpu, output_count, 1)
@@ -68,7 +74,8 @@ end
 if prompt ~= '' then
   local made_by = shares ~= '' and (gpu .. '/' .. shares) or gpu
   redis.call('HSET', ended, id,
-             entry .. ' ' .. input_tokens .. ' ' .. output_tokens .. ' ' .. made_by .. '\n' .. prompt)
+             entry .. ' ' .. input_tokens .. ' ' .. output_tokens .. ' ' .. made_by
+             .. (looping ~= '' and ' loop' or '') .. '\n' .. prompt)
 end
 -- What beat's tick reads to decide whether to seal, instead of the rows (batches.py): the bytes
 -- waiting (each row and its newline, as in the batch file), and the time of the oldest row (its

@@ -11,14 +11,15 @@
 -- readers that cannot see every batch (the torch dataset) skip it: beat resolves the places to
 -- batches in <job>/superseded.json (batches.py).
 --- keys: done prompts pending counters ended config superseding
---- args: id entry input_tokens output_tokens finish_reason gpu hist_bucket continued_tokens indexed place
+--- args: id entry input_tokens output_tokens finish_reason gpu hist_bucket continued_tokens indexed place looping
 --- uses: shares
 -- ended: the index of rows that ended finish_reason; entry: the prompt's new `prompts` entry;
 -- gpu: the GPU the row was recorded on, then, for a row made in several requests, "/" and its
 -- shares (complete.lua's index record, shares.lua);
 -- continued_tokens: ids kept from the old output (0 to start over); indexed: the first line of
 -- the index record as regenerate read it (empty: the row was read from a batch); place: the old
--- row's stream entry, or its batch's first entry (empty: unknown).
+-- row's stream entry, or its batch's first entry (empty: unknown); looping: "1" when the old row
+-- was counted as looping (complete.lua).
 -- Returns 1 when reopened, 0 when the id was not done (already reopened, or unknown) or its
 -- newest row is no longer the one indexed as read (taken back and finished again meanwhile:
 -- the shares given are not its row's).
@@ -55,6 +56,10 @@ redis.call('HINCRBY', counters, 'completed', -1)
 redis.call('HINCRBY', counters, 'input_tokens', 0 - input)
 redis.call('HINCRBY', counters, 'output_tokens', 0 - output_count)
 redis.call('HINCRBY', counters, 'finish:' .. finish_reason, -1)
+if looping ~= '' then
+  redis.call('HINCRBY', counters, 'looping:' .. finish_reason, -1)
+  redis.call('HINCRBY', counters, 'looping_tokens:' .. finish_reason, 0 - output_count)
+end
 redis.call('HINCRBY', counters, 'hist:' .. hist_bucket, -1)
 redis.call('HINCRBY', counters, per_gpu .. 'completed', -1)
 credit_shares(counters, shares, recorded_on, output_count, -1)

@@ -3,6 +3,8 @@ a worthless one before anyone trains on it.
 
 Per row (`check_row`), the known ways drafter data goes wrong, each a flag:
 
+- `looping`: the output ends in a repetition loop (`metadata.loop`, output/loops.py): a drafter
+  trained on it learns the loop (kept only on request, whatever its finish reason);
 - `truncated`: finish_reason "length"; the answer never finished (kept only on request);
 - `status_other`: any other non-success status (an aborted generation, say);
 - `empty_answer`: a successful row whose `content` is empty or blank;
@@ -31,13 +33,14 @@ from dflash_tasks.training.data.tokens import Tokenized, is_truncated, row_think
 THINK_MARKERS = ("<think>", "</think>")
 
 # The order in which a dropped row is given its reason (the first flag that applies).
-DROP_ORDER = ("duplicate", "status_other", "truncated", "marker_in_content",
+DROP_ORDER = ("duplicate", "status_other", "looping", "truncated", "marker_in_content",
               "marker_in_reasoning", "empty_answer", "empty_reasoning", "untokenized",
               "over_length", "short")
 
 REASONS = {
     "duplicate": "an older copy of an id that a newer row replaced",
     "status_other": "status neither success nor truncated (aborted or failed generation)",
+    "looping": "ends in a repetition loop (metadata.loop): training on it teaches the loop",
     "truncated": "truncated by max_tokens (finish_reason length): the answer never finished",
     "marker_in_content": "<think> or </think> inside content",
     "marker_in_reasoning": "<think> or </think> inside reasoning_content",
@@ -58,11 +61,13 @@ class Rules:
     min_loss_tokens: int = 32
     max_length: int = 16384
     keep_truncated: bool = False
+    keep_looping: bool = False
     require_tokens: bool = True  # an untokenizable row is dropped (not for conversations)
 
     def drop_reason(self, flags: set[str]) -> str | None:
         for reason in DROP_ORDER:
             if reason in flags and not (reason == "truncated" and self.keep_truncated) \
+                    and not (reason == "looping" and self.keep_looping) \
                     and not (reason == "untokenized" and not self.require_tokens):
                 return reason
         return None
@@ -85,6 +90,8 @@ def text_flags(row: dict) -> set[str]:
     content = answer.get("content") or ""
     reasoning = answer.get("reasoning_content") or ""
     status = row.get("status")
+    if (row.get("metadata") or {}).get("loop"):
+        flags.add("looping")
     if is_truncated(row):
         flags.add("truncated")
     elif status != "success":
@@ -214,6 +221,8 @@ class Report:
             "marker_pct": _pct(self.flags["marker_in_content"] + self.flags["marker_in_reasoning"],
                                self.rows),
             "truncated_pct": _pct(self.flags["truncated"], self.rows),
+            "looping": self.flags["looping"],
+            "looping_pct": _pct(self.flags["looping"], self.rows),
             "over_length": self.flags["over_length"],
             "over_length_pct": _pct(self.flags["over_length"], tokenized),
             "untokenized": self.flags["untokenized"],

@@ -5,6 +5,7 @@ queued, and stored in the run (the training node does not need the file).
     min_loss_tokens = 32
     max_length = 4096
     keep_truncated = false
+    keep_looping = false    # rows whose output ends in a loop (output/loops.py)
 
     [gate]        # the quality gate that must pass first: `manage.py validate`'s limits
     max_short_share = 0.05
@@ -88,9 +89,10 @@ SECTIONS = ("rules", "gate", "reference", "command", "smoke", "eval")
 _GATE_FIELDS = {f.name for f in fields(Rules)} | {f.name for f in fields(Thresholds)}
 # [rules]: a Rules field each (require_tokens follows from the format); where a config written
 # before [rules] set the same field, and the trainer's default when none does.
-RULE_FIELDS = ("min_loss_tokens", "max_length", "keep_truncated")
-RULE_TYPES = {"min_loss_tokens": (int, 0), "max_length": (int, 2), "keep_truncated": (bool, None)}
-RULES_ALSO_IN = {"reference": ("min_loss_tokens", "max_length", "keep_truncated"),
+RULE_FIELDS = ("min_loss_tokens", "max_length", "keep_truncated", "keep_looping")
+RULE_TYPES = {"min_loss_tokens": (int, 0), "max_length": (int, 2), "keep_truncated": (bool, None),
+              "keep_looping": (bool, None)}
+RULES_ALSO_IN = {"reference": ("min_loss_tokens", "max_length", "keep_truncated", "keep_looping"),
                  "command": ("max_length", "keep_truncated")}
 
 

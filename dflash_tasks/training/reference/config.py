@@ -47,6 +47,7 @@ class TrainConfig(BaseModel):
     max_length: int = Field(4096, ge=2)
     min_loss_tokens: int = Field(32, ge=0)
     keep_truncated: bool = False
+    keep_looping: bool = False  # rows whose output ends in a loop (output/loops.py)
     batch_size: int = Field(1, ge=1)
     shuffle_buffer: int = Field(256, ge=1)
 
@@ -89,7 +90,7 @@ class TrainConfig(BaseModel):
     def rules(self) -> Rules:
         """The rows this trainer reads: the quality gate's rules with these values."""
         return Rules(min_loss_tokens=self.min_loss_tokens, max_length=self.max_length,
-                     keep_truncated=self.keep_truncated)
+                     keep_truncated=self.keep_truncated, keep_looping=self.keep_looping)
 
     def decay(self) -> float | None:
         """gamma, or None when the decay is off."""
