@@ -50,8 +50,13 @@ def test_progress_json_matches_the_ledger_and_the_rows(cluster, tmp_path):
         assert field in live, field
     assert live["total"] == 600 and live["request_throughput"] == live["rate_per_sec"]
     assert live["output_tokens_per_sec"] > 0 and live["input_throughput"] > 0
-    assert live["eta_hours"] == pytest.approx(
+    assert live["eta_hours_by_requests"] == pytest.approx(
         (600 - live["completed"] - live["failed"]) / live["rate_per_sec"] / 3600, rel=0.01, abs=1e-3)
+    # From tokens (eta.py, its accuracy in test_eta.py): the tokens left are at least those of
+    # the prompts never sent at the shortest output seen, at most every prompt left at the cap.
+    unsent = 600 - live["completed"] - live["failed"] - live["in_flight"]
+    assert unsent * 1 <= live["output_tokens_left"] <= (600 - live["completed"]) * 4096
+    assert live["eta_hours"] > 0
     assert set(live["gpus"]) == {c.gpu(0), c.gpu(1)}
     for g in live["gpus"].values():
         for field in PER_GPU:
@@ -157,7 +162,8 @@ def test_rate_is_over_the_recent_window_not_since_the_start(r):
     assert snap["gpus"][_gpu(1)]["output_tokens_per_sec"] == pytest.approx(3000 / span, rel=0.05)
     assert snap["nodes"]["a"]["request_throughput"] == pytest.approx(30 / span, rel=0.05)
     assert snap["nodes"]["a"]["gpus"] == 2
-    assert snap["eta_hours"] == pytest.approx(70 / snap["rate_per_sec"] / 3600, rel=0.01)
+    assert snap["eta_hours_by_requests"] == pytest.approx(70 / snap["rate_per_sec"] / 3600,
+                                                          rel=0.01)
 
 
 def test_a_conversation_jobs_eta_counts_its_replies_from_the_first_minutes(r):

@@ -19,6 +19,7 @@ beside a benchmark of the same server; ALIASES says which figures carry two name
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -39,7 +40,9 @@ from dflash_tasks.core.keys import (
     JobName,
 )
 from dflash_tasks.core.settings import Settings
+from dflash_tasks.ledger import truncated_split
 from dflash_tasks.ledger.histogram import length_percentile, nearest_rank
+from dflash_tasks.output import eta
 from dflash_tasks.output.batches import latency_bucket_ms
 from dflash_tasks.output.storage import Storage, StorageNotFound
 
@@ -84,6 +87,8 @@ class Reads:
     pending: int                     # prompts not yet dispatched
     unsealed_rows: int               # rows in the output stream, not yet sealed into a batch
     in_flight_set: dict[str, int]    # GPU -> its in-flight set's size, retries waiting included
+    sent_at: dict[str, list[float]]  # GPU -> the Redis time each prompt in flight was sent
+    speeds: dict[str, float]         # GPU -> its requests' output tokens/s (complete.lua)
     retry_waiting: dict[str, int]    # GPU -> retries waiting for their ETA in a worker
     workers: dict[str, dict]         # GPU -> the worker's registration
     heartbeats: dict[str, float]     # GPU -> Redis time of the worker's last heartbeat
@@ -146,10 +151,14 @@ def read(r: redis.Redis, name: JobName, s: Settings) -> Reads:
     # instant, at the cost of the retries waiting, whatever the broker holds.
     for gpu in gpus:
         multi.named(("in_flight", gpu)).zcard(job.name.inflight(gpu))
+        # when each was sent, for what it has generated so far (the token ETA: eta.py); at the
+        # seed's 300 in flight per GPU, a few KB
+        multi.named(("sent_at", gpu)).zrange(job.name.inflight(gpu), 0, -1, withscores=True)
         multi.named(("waiting", gpu)).zintercard(
             2, [job.name.inflight(gpu), job.name.retrying(gpu)])
     # The quality monitor's figures (training/data/monitor.py writes the key) at its last tick.
     multi.named("quality").get(job.name.quality("figures"))
+    multi.named("speeds").hgetall(job.name.speed)
     got = multi.execute()
 
     window = dict.fromkeys(series, 0)
@@ -166,6 +175,8 @@ def read(r: redis.Redis, name: JobName, s: Settings) -> Reads:
         pending=got["pending"],
         unsealed_rows=got["unsealed"],
         in_flight_set={gpu: got[("in_flight", gpu)] for gpu in gpus},
+        sent_at={gpu: [at for _, at in got[("sent_at", gpu)]] for gpu in gpus},
+        speeds={key.decode(): float(v) for key, v in got["speeds"].items()},
         retry_waiting={gpu: got[("waiting", gpu)] for gpu in gpus},
         workers={key.decode(): json.loads(v) for key, v in got["workers"].items()},
         heartbeats={key.decode(): float(v) for key, v in got["heartbeats"].items()},
@@ -214,7 +225,45 @@ def per_second(reads: Reads, series: str) -> float:
     return reads.window[series] / span if span > 0 else 0.0
 
 
-def eta_hours(reads: Reads, left: int, rate: float) -> float | None:
+def token_eta(reads: Reads, left: int) -> tuple[float | None, float | None]:
+    """(hours, output tokens) left, from tokens (eta.py): the job's length distribution so far,
+    the prompts not yet sent, and each in flight with what it has generated (its time since it
+    was sent × its GPU's speed per request); the fleet's rate is each GPU's speed × its prompts
+    in flight (Little's law: what it generates now, which the completions of the window lag by
+    a request's length). A job of conversations counts replies (eta_by_requests). (None, None)
+    unless running, or before a row has ended and a GPU's speed is measured."""
+    if reads.job.status != "running":
+        return None, None
+    if reads.job.turns == "all":
+        return eta_by_requests(reads, left, per_second(reads, "c")), None
+    finished = histogram(reads, "hist:")
+    known = [reads.speeds[gpu] for gpu in reads.gpus if reads.speeds.get(gpu)]
+    if not finished or not known:
+        return None, None
+    cap = reads.job.params.max_tokens
+    by_speed: dict[float, list[float]] = {}
+    for gpu in reads.gpus:
+        speed = _speed_class(reads.speeds.get(gpu) or sum(known) / len(known))
+        by_speed.setdefault(speed, []).extend(
+            min(cap, max(0.0, reads.now - at) * speed) for at in reads.sent_at[gpu])
+    in_flight = {speed: eta.censored_buckets(so_far, cap) for speed, so_far in by_speed.items()}
+    everything = [g for so_far in by_speed.values() for g in so_far]
+    mass = eta.length_distribution(finished, eta.censored_buckets(everything, cap), cap)
+    unsent = max(0, left - len(everything))
+    tokens = eta.tokens_left(mass, unsent, eta.censored_buckets(everything, cap))
+    rate = sum(speed * len(so_far) for speed, so_far in by_speed.items()) \
+        or per_second(reads, "t")
+    if rate <= 0:
+        return None, tokens
+    return round(eta.seconds_left(mass, unsent, in_flight, rate) / 3600, 3), tokens
+
+
+def _speed_class(speed: float) -> float:
+    """A GPU's speed rounded to 5%: GPUs of one speed are one group in the end's integral."""
+    return 1.05 ** round(math.log(speed) / math.log(1.05)) if speed > 0 else speed
+
+
+def eta_by_requests(reads: Reads, left: int, rate: float) -> float | None:
     """The time left at the rate of the window: prompts left over completions per second; for a
     job of conversations (enqueue --turns all), replies: each conversation left as many as the
     dataset's conversations have on average, over the replies made per second (handed on or
@@ -331,6 +380,7 @@ def render(reads: Reads, s: Settings) -> dict:
     completed, left = count(reads, "completed"), remaining(reads)
     in_tokens, out_tokens = count(reads, "input_tokens"), count(reads, "output_tokens")
     rate = per_second(reads, "c")
+    hours_left, tokens_left = token_eta(reads, left)
     finish_reasons = tally(reads, "finish")
     lat_n = count(reads, "latency_n")
     err = reads.storage_error
@@ -359,7 +409,11 @@ def render(reads: Reads, s: Settings) -> dict:
         "input_throughput": round(per_second(reads, "i"), 1),
         "rate_window_s": s.rate_window_s,
         # Only a running job ends: a paused, cancelled or done one has no time left to show.
-        "eta_hours": eta_hours(reads, left, rate),
+        "eta_hours": hours_left,
+        # The output tokens the prompts left are expected to generate (eta.py)
+        "output_tokens_left": round(tokens_left) if tokens_left is not None else None,
+        # The request-rate formula eta_hours replaced, for comparison (eta.py says why)
+        "eta_hours_by_requests": eta_by_requests(reads, left, rate),
         "elapsed_hours": round((now - job.created_at) / 3600, 4),
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
@@ -370,6 +424,8 @@ def render(reads: Reads, s: Settings) -> dict:
         "short_output_pct": _share_pct(histogram(reads, "hist:").get(0, 0), completed),
         "finish_reasons": finish_reasons,
         "truncated_pct": _share_pct(finish_reasons.get("length", 0), completed),
+        # The truncated rows, looping or still progressing (output/loops.py)
+        "truncated": truncated_split(reads.counters),
         "mean_e2e_latency_ms": round(count(reads, "latency_ms_sum") / lat_n, 1) if lat_n else None,
         "median_e2e_latency_ms": latency_percentile_ms(reads, 0.5),
         "p90_e2e_latency_ms": latency_percentile_ms(reads, 0.9),

@@ -1,0 +1,155 @@
+"""The time a job has left, from tokens: the output tokens it is expected to generate still, over
+the tokens the fleet generates per second.
+
+The request-rate ETA (prompts left over completions per second) is wrong exactly when it
+matters: a run's first completions are its short outputs, and after a restart or a raised cap
+the long ones are all still in flight, so the rate of completions says little about the time
+left (the seed's run read 35 hours a minute after its restart, 26.7 two minutes later).
+
+Tokens left = the prompts not yet sent × the expected length of an output, plus, for each
+prompt in flight, the expected rest of its output given what it has generated so far. Both
+come from one estimate of the job's length distribution: Kaplan-Meier over the ledger's 64-token
+histogram of finished rows (a row cut at the cap is an output of exactly the cap: every prompt
+of the job runs under it), with each prompt in flight a censored observation, at least as long
+as what it has generated (its time since it was sent × its GPU's decode speed per request, at
+most the cap). Counting the long outputs still in flight is what the completions alone miss.
+The fleet's rate is the output tokens of the requests that ended in the window.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+BUCKET = 64  # the ledger's histogram resolution (ledger.HIST_BUCKET_TOKENS)
+
+
+def censored_buckets(in_flight_so_far: Iterable[float], cap: int) -> dict[int, tuple[int, float]]:
+    """The outputs in flight by the bucket they have reached: {bucket: (count, tokens so far)}."""
+    found: dict[int, tuple[int, float]] = {}
+    for tokens in in_flight_so_far:
+        tokens = min(tokens, cap)
+        bucket = int(tokens) // BUCKET * BUCKET
+        n, total = found.get(bucket, (0, 0.0))
+        found[bucket] = (n + 1, total + tokens)
+    return found
+
+
+def length_distribution(finished: Mapping[int, int], censored: Mapping[int, tuple[int, float]],
+                        cap: int) -> list[tuple[float, float]]:
+    """The estimated length distribution as [(length, probability)], ascending, from the
+    histogram of finished outputs {bucket lower edge: rows} and the outputs in flight
+    (censored_buckets: each longer than what it has). A bucket's rows count at its middle, the
+    cap's at the cap."""
+    buckets = sorted(set(finished) | set(censored))
+    at_risk = sum(finished.values()) + sum(n for n, _ in censored.values())
+    alive, mass = 1.0, []
+    for bucket in buckets:
+        if at_risk <= 0:
+            break
+        ended = finished.get(bucket, 0)
+        if ended:
+            died = alive * ended / at_risk
+            length = cap if bucket <= cap < bucket + BUCKET else min(bucket + BUCKET / 2, cap)
+            mass.append((length, died))
+            alive -= died
+        # An output in flight leaves the risk set after the bucket it has reached.
+        at_risk -= ended + censored.get(bucket, (0, 0.0))[0]
+    if alive > 1e-9:  # outputs longer than any that ended: at the cap, the most they can be
+        mass.append((float(cap), alive))
+    return mass
+
+
+def tokens_left(mass: list[tuple[float, float]], unsent: int,
+                censored: Mapping[int, tuple[int, float]]) -> float:
+    """Expected output tokens left: each prompt not yet sent an output of the expected length,
+    each in flight the expected rest of one longer than its bucket's lower edge. O(buckets)."""
+    left = unsent * _mean_beyond(mass, -1.0)
+    for bucket, (n, so_far) in censored.items():
+        left += max(0.0, n * _mean_beyond(mass, bucket) - so_far)
+    return left
+
+
+def _mean_beyond(mass: list[tuple[float, float]], edge: float) -> float:
+    longer = [(length, p) for length, p in mass if length > edge]
+    weight = sum(p for _, p in longer)
+    return sum(length * p for length, p in longer) / weight if weight > 0 else max(edge, 0.0)
+
+
+def _survival(mass: list[tuple[float, float]], tokens: float) -> float:
+    return sum(p for length, p in mass if length > tokens)
+
+
+STEPS = 96  # the time grid of the end's integral
+
+
+def seconds_left(mass: list[tuple[float, float]], unsent: int,
+                 in_flight: Mapping[float, Mapping[int, tuple[int, float]]], rate: float) -> float:
+    """The expected time until the last output ends. `in_flight`: by GPU speed (output tokens/s
+    of one request, grouped), the outputs in flight there (censored_buckets); `rate`: the
+    fleet's output tokens/s.
+
+    Two phases. While prompts wait, the fleet runs full: their tokens, and all but the final
+    stretch of those in flight, go at `rate`. Then the end: each slot finishes the output it
+    holds, and the run ends with the last, the longest of the residual outputs over its GPU's
+    speed: E[max] = integral of P(max > t) dt, from each slot's residual distribution. A slot
+    that takes a new prompt until the queue empties holds, at that moment, an output drawn by
+    length (a longer one is more likely under way) and half done on average: its residual R has
+    P(R > r) = E[(L - r)+] / E[L]. Once the queue is empty, each output in flight has its own:
+    P(L - g > r | L > g)."""
+    slots = {speed: sum(n for n, _ in groups.values()) for speed, groups in in_flight.items()}
+    if not mass or rate <= 0 or not any(slots.values()):
+        return 0.0
+    mean = sum(length * p for length, p in mass)
+    if unsent > 0:
+        # tokens the end will spend: each slot's mean residual, E[L^2] / 2E[L]
+        residual_mean = sum(length * length * p for length, p in mass) / (2 * mean) if mean else 0
+        full_run = tokens_left(mass, unsent, _merged(in_flight)) - sum(slots.values()) * residual_mean
+        return max(0.0, full_run) / rate + _expected_max(
+            {speed: [(n, lambda r: _residual_after_queue(mass, mean, r))]
+             for speed, n in slots.items() if n})
+    return _expected_max({speed: [(n, lambda r, edge=bucket, g=so_far / n:
+                                   _residual_given(mass, edge, g, r))
+                                  for bucket, (n, so_far) in groups.items()]
+                          for speed, groups in in_flight.items()})
+
+
+def _merged(in_flight: Mapping[float, Mapping[int, tuple[int, float]]]) -> dict[int, tuple[int, float]]:
+    merged: dict[int, tuple[int, float]] = {}
+    for groups in in_flight.values():
+        for bucket, (n, so_far) in groups.items():
+            m, total = merged.get(bucket, (0, 0.0))
+            merged[bucket] = (m + n, total + so_far)
+    return merged
+
+
+def _residual_after_queue(mass, mean: float, r: float) -> float:
+    """P(R > r) for a slot's output when the queue empties: E[(L - r)+] / E[L]."""
+    return sum((length - r) * p for length, p in mass if length > r) / mean if mean else 0.0
+
+
+def _residual_given(mass, edge: float, so_far: float, r: float) -> float:
+    """P(L - g > r | L > edge), g the tokens it has (edge: its bucket's lower edge)."""
+    alive = _survival(mass, edge)
+    return _survival(mass, so_far + r) / alive if alive > 0 else 0.0
+
+
+def _expected_max(groups: Mapping[float, list]) -> float:
+    """E[max over every slot of its residual tokens / its speed]: `groups` by speed, each a list
+    of (slots, P(residual > r))."""
+    longest = 0.0
+    for speed, members in groups.items():
+        for _, tail in members:
+            # the residual is at most the longest length: find where the tail reaches 0
+            r = 1.0
+            while tail(r) > 0 and r < 1 << 24:
+                r *= 2
+            longest = max(longest, r / speed)
+    step = longest / STEPS
+    total = 0.0
+    for k in range(STEPS):
+        t = (k + 0.5) * step
+        below = 1.0
+        for speed, members in groups.items():
+            for n, tail in members:
+                below *= max(0.0, 1.0 - tail(t * speed)) ** n
+        total += (1.0 - below) * step
+    return total
