@@ -27,12 +27,14 @@ decode speed, the real run's output-length distribution), all started here as pr
    the same replies: throughput                                        goal >= 0.90
 17. what conversations between replies hold in Redis at 64 GPUs x 300 in flight, their prompts'
    texts in Redis and on storage                                       goal < 200 MB on storage
+18. the ETA on a run of the seed's shape (18% at a 4,096 cap, one server 1.5x slower): its error
+   against the time left, from 10% of the run on (benchmarks/eta_run.py)  goal <= 10%
 
 Cases 1-3 run the project and the baseline (benchmarks/baseline.py: one asyncio process, a static
 round-robin split, a semaphore per server) at the same time, each on its own four servers, so both
 see the same machine. The table goes to stdout and to benchmarks/RESULTS.md.
 
-    .venv/bin/python -m benchmarks [--quick] [--cases 1,2,4,5,6,7,8,10,11,12,13,14,15,16,17]
+    .venv/bin/python -m benchmarks [--quick] [--cases 1,2,4,5,6,7,8,10,11,12,13,14,15,16,17,18]
         [--results PATH]
 """
 from __future__ import annotations
@@ -58,14 +60,22 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import conversations, data, measure, profile, report, seed_run  # noqa: E402
+from benchmarks import (  # noqa: E402
+    conversations,
+    data,
+    eta_run,
+    measure,
+    profile,
+    report,
+    seed_run,
+)
 from dflash_dev.local import LocalCluster, free_port, wait_until  # noqa: E402
 from dflash_tasks.core.keys import JobName  # noqa: E402
 from dflash_tasks.core.settings import Settings  # noqa: E402
 from dflash_tasks.ingest.prompts import read_prompts  # noqa: E402
 
 README = ROOT / "README.md"
-DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12,13,14,15,16,17"
+DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12,13,14,15,16,17,18"
 CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path(tempfile.gettempdir()) / "dflash-bench"))
 
 
@@ -99,6 +109,7 @@ class Config:
     seed_prompts: int = 10_000       # case 10: about 2,000 of them truncated and continued
     manifest_batches: int = 1_000    # case 12
     round_prompts: int = 1_000       # case 13: a continuation round, all long
+    eta_prompts: int = 12_000        # case 18: the ETA, about 75 prompts per slot
 
     @classmethod
     def quick(cls) -> "Config":
@@ -107,7 +118,7 @@ class Config:
                    huge_done=990_000, outage_prompts=4_000,
                    outage_warmup_s=8.0, outage_s=25.0, endgame_prompts=1_000,
                    many_nodes=2, many_gpus_per_node=8, many_prompts=2_048, seed_prompts=2_000,
-                   manifest_batches=200, round_prompts=300)
+                   manifest_batches=200, round_prompts=300, eta_prompts=3_000)
 
 
 def log(msg: str) -> None:
@@ -671,6 +682,10 @@ def main() -> None:
             results["case16"] = conversations.multi_turn_case(work)
         if "17" in cases:
             results["case17"] = conversations.conversations_redis_case(work)
+        if "18" in cases:
+            dataset = data.cached_dataset(cfg.eta_prompts, CACHE, seed=29)
+            results["case18"] = eta_run.eta_case(work, dataset, cfg.eta_prompts, cfg.servers,
+                                                 cfg.slow_factor)
     finally:
         results["bench_wall_s"] = time.monotonic() - started
         (work / "results.json").write_text(json.dumps(results, indent=1))

@@ -20,55 +20,66 @@ CAP, GPUS, SLOTS, PROMPTS, WINDOW_S = 4096, 16, 40, 20_000, 300.0
 SPEED = 40.0  # output tokens/s of one request (a decode slot)
 
 
-def replay(seed: int = 7):
-    """(time, token ETA, request ETA, time actually left) at each minute of a replayed run."""
+def replay(seed: int = 7, queued: int = 0):
+    """(time, prompts done, token ETA, request ETA, time actually left) at each minute of a
+    replayed run. `queued`: prompts each GPU holds beyond its slots (a worker's concurrency
+    above the server's slots), which wait there for one of its slots (benchmarks case 18 runs
+    the real dispatch, whose end game moves them)."""
     rng = random.Random(seed)
     lengths = [min(CAP, natural_length(rng.randbytes(16))) for _ in range(PROMPTS)]
     speeds = [SPEED / 2 if g == 0 else SPEED for g in range(GPUS)]
     queue = deque(range(PROMPTS))
+    local: list[deque] = [deque() for _ in range(GPUS)]  # given to the GPU, waiting for a slot
     running: dict[tuple[int, int], tuple[int, float]] = {}  # (gpu, slot) -> (prompt, sent at)
     ends: list[tuple[float, int, int]] = []
     finished: dict[int, int] = {}
     done_log: deque[tuple[float, int]] = deque()  # (time, tokens) of the window's completions
 
-    def send(gpu: int, slot: int, now: float) -> None:
-        if queue:
-            prompt = queue.popleft()
-            running[(gpu, slot)] = (prompt, now)
+    def start(gpu: int, slot: int, now: float) -> None:
+        if queue:  # the GPU takes one more from the queue for each it starts
+            local[gpu].append((queue.popleft(), now))
+        if local[gpu]:
+            prompt, sent = local[gpu].popleft()
+            running[(gpu, slot)] = (prompt, sent)
             heapq.heappush(ends, (now + lengths[prompt] / speeds[gpu], gpu, slot))
 
     for gpu in range(GPUS):
+        for _ in range(queued):
+            local[gpu].append((queue.popleft(), 0.0))
         for slot in range(SLOTS):
-            send(gpu, slot, 0.0)
-    samples, next_sample, completed = [], 60.0, 0
+            start(gpu, slot, 0.0)
+    samples, next_sample, completed, first_end = [], 60.0, 0, 0.0
     while ends:
         at, gpu, slot = heapq.heappop(ends)
         while next_sample < at:  # a progress tick between two completions
             now = next_sample
             while done_log and done_log[0][0] < now - WINDOW_S:
                 done_log.popleft()
-            if finished:
-                span = min(WINDOW_S, now)
-                token_rate = sum(t for _, t in done_log) / span
-                request_rate = len(done_log) / span
+            if finished:  # the window, from the first completion on (progress.window_span)
+                request_rate = len(done_log) / min(WINDOW_S, now - first_end)
                 by_speed: dict[float, list[float]] = {}
                 for (g, _), (_, sent) in running.items():
                     by_speed.setdefault(speeds[g], []).append(min(CAP, (now - sent) * speeds[g]))
+                waiting: dict[float, int] = {}
+                for g in range(GPUS):
+                    waiting[speeds[g]] = waiting.get(speeds[g], 0) + len(local[g])
                 in_flight = {speed: eta.censored_buckets(so_far, CAP)
                              for speed, so_far in by_speed.items()}
                 mass = eta.length_distribution(
                     finished, eta.censored_buckets([g for v in by_speed.values() for g in v], CAP),
                     CAP)
+                # what the fleet generates now: each GPU's decode speed × its requests decoding
                 fleet = sum(speed * len(v) for speed, v in by_speed.items())
-                left = eta.seconds_left(mass, len(queue), in_flight, fleet)
-                samples.append((now, completed, left if token_rate else None,
+                left = eta.seconds_left(mass, len(queue), in_flight, fleet, waiting)
+                samples.append((now, completed, left,
                                 (PROMPTS - completed) / request_rate if request_rate else None))
             next_sample += 60.0
         prompt, _ = running.pop((gpu, slot))
+        first_end = at if not completed else first_end
         completed += 1
         finished[lengths[prompt] // 64 * 64] = finished.get(lengths[prompt] // 64 * 64, 0) + 1
         done_log.append((at, lengths[prompt]))
-        send(gpu, slot, at)
+        start(gpu, slot, at)
     return [(now, done, tokens, requests, at - now) for now, done, tokens, requests in samples]
 
 
@@ -80,5 +91,5 @@ def test_the_token_eta_is_within_ten_percent_from_a_tenth_of_the_run(seed):
     assert len(judged) > 20
     token_errors = [abs(tokens - actual) / actual for _, _, tokens, _, actual in judged]
     request_errors = [abs(requests - actual) / actual for _, _, _, requests, actual in judged]
-    assert max(token_errors) < 0.10, (f"seed {seed}: replay(seed={seed})", judged)
+    assert max(token_errors) < 0.10, (f"replay(seed={seed})", judged)
     assert max(request_errors) > 0.5 > 3 * max(token_errors)

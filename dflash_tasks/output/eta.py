@@ -82,32 +82,39 @@ STEPS = 96  # the time grid of the end's integral
 
 
 def seconds_left(mass: list[tuple[float, float]], unsent: int,
-                 in_flight: Mapping[float, Mapping[int, tuple[int, float]]], rate: float) -> float:
-    """The expected time until the last output ends. `in_flight`: by GPU speed (output tokens/s
-    of one request, grouped), the outputs in flight there (censored_buckets); `rate`: the
-    fleet's output tokens/s.
+                 in_flight: Mapping[float, Mapping[int, tuple[int, float]]], rate: float,
+                 waiting: Mapping[float, int] | None = None) -> float:
+    """The expected time until the last output ends. `unsent`: prompts not yet given to a GPU;
+    `in_flight`: by GPU speed (output tokens/s of one request, grouped), the outputs decoding
+    there (censored_buckets); `waiting`: by GPU speed, the prompts given to those GPUs that wait
+    for a slot there; `rate`: the fleet's output tokens/s.
 
-    Two phases. While prompts wait, the fleet runs full: their tokens, and all but the final
-    stretch of those in flight, go at `rate`. Then the end: each slot finishes the output it
-    holds, and the run ends with the last, the longest of the residual outputs over its GPU's
-    speed: E[max] = integral of P(max > t) dt, from each slot's residual distribution. A slot
-    that takes a new prompt until the queue empties holds, at that moment, an output drawn by
-    length (a longer one is more likely under way) and half done on average: its residual R has
-    P(R > r) = E[(L - r)+] / E[L]. Once the queue is empty, each output in flight has its own:
-    P(L - g > r | L > g)."""
+    Two phases. While prompts wait to be given, the fleet runs full: their tokens, and all but
+    the final stretch of those in flight, go at `rate`. Then the end: each slot finishes the
+    output it holds, and its share of its GPU's waiting prompts, and the run ends with the
+    last: E[max] = integral of P(max > t) dt, from each slot's residual over its GPU's speed. A
+    slot that takes a new prompt until the queue empties holds, at that moment, an output drawn
+    by length (a longer one is more likely under way) and half done on average: its residual R
+    has P(R > r) = E[(L - r)+] / E[L]. Once the queue is empty, each output in flight has its
+    own: P(L - g > r | L > g)."""
+    waiting = waiting or {}
     slots = {speed: sum(n for n, _ in groups.values()) for speed, groups in in_flight.items()}
     if not mass or rate <= 0 or not any(slots.values()):
         return 0.0
     mean = sum(length * p for length, p in mass)
+    # a slot's share of its GPU's waiting prompts, decoded after the output it holds
+    shift = {speed: waiting.get(speed, 0) * mean / n for speed, n in slots.items() if n}
     if unsent > 0:
-        # tokens the end will spend: each slot's mean residual, E[L^2] / 2E[L]
+        # tokens the end will spend: each slot's mean residual, E[L^2] / 2E[L], and the
+        # prompts waiting for a slot on their GPU
         residual_mean = sum(length * length * p for length, p in mass) / (2 * mean) if mean else 0
-        full_run = tokens_left(mass, unsent, _merged(in_flight)) - sum(slots.values()) * residual_mean
+        at_end = sum(slots.values()) * residual_mean + sum(waiting.values()) * mean
+        full_run = tokens_left(mass, unsent + sum(waiting.values()), _merged(in_flight)) - at_end
         return max(0.0, full_run) / rate + _expected_max(
-            {speed: [(n, lambda r: _residual_after_queue(mass, mean, r))]
+            {speed: [(n, lambda r, d=shift[speed]: _residual_after_queue(mass, mean, r - d))]
              for speed, n in slots.items() if n})
-    return _expected_max({speed: [(n, lambda r, edge=bucket, g=so_far / n:
-                                   _residual_given(mass, edge, g, r))
+    return _expected_max({speed: [(n, lambda r, edge=bucket, g=so_far / n, d=shift.get(speed, 0):
+                                   _residual_given(mass, edge, g, r - d))
                                   for bucket, (n, so_far) in groups.items()]
                           for speed, groups in in_flight.items()})
 
@@ -123,11 +130,15 @@ def _merged(in_flight: Mapping[float, Mapping[int, tuple[int, float]]]) -> dict[
 
 def _residual_after_queue(mass, mean: float, r: float) -> float:
     """P(R > r) for a slot's output when the queue empties: E[(L - r)+] / E[L]."""
+    if r < 0:
+        return 1.0
     return sum((length - r) * p for length, p in mass if length > r) / mean if mean else 0.0
 
 
 def _residual_given(mass, edge: float, so_far: float, r: float) -> float:
     """P(L - g > r | L > edge), g the tokens it has (edge: its bucket's lower edge)."""
+    if r < 0:
+        return 1.0
     alive = _survival(mass, edge)
     return _survival(mass, so_far + r) / alive if alive > 0 else 0.0
 

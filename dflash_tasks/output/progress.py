@@ -226,12 +226,15 @@ def per_second(reads: Reads, series: str) -> float:
 
 
 def token_eta(reads: Reads, left: int) -> tuple[float | None, float | None]:
-    """(hours, output tokens) left, from tokens (eta.py): the job's length distribution so far,
-    the prompts not yet sent, and each in flight with what it has generated (its time since it
-    was sent × its GPU's speed per request); the fleet's rate is each GPU's speed × its prompts
-    in flight (Little's law: what it generates now, which the completions of the window lag by
-    a request's length). A job of conversations counts replies (eta_by_requests). (None, None)
-    unless running, or before a row has ended and a GPU's speed is measured."""
+    """(hours, output tokens) left, from tokens (eta.py). The job's length distribution so far,
+    the prompts not yet decoding (not sent, or waiting in a server's queue: beyond the requests
+    its /metrics says run), and those decoding, each with what it has generated (its time since
+    it was sent × its GPU's decode speed per request: the server's generation throughput over
+    its running requests, else the job's measured speed there). The fleet's rate is what it
+    generates now, each GPU's speed × its requests decoding: the output tokens of the requests
+    that ended in the window lag it by a request's length, most at the start, when only the
+    short ones have ended. A job of conversations counts replies (eta_by_requests). (None,
+    None) unless running, or before rows have ended."""
     if reads.job.status != "running":
         return None, None
     if reads.job.turns == "all":
@@ -242,20 +245,28 @@ def token_eta(reads: Reads, left: int) -> tuple[float | None, float | None]:
         return None, None
     cap = reads.job.params.max_tokens
     by_speed: dict[float, list[float]] = {}
+    waiting: dict[float, int] = {}
     for gpu in reads.gpus:
-        speed = _speed_class(reads.speeds.get(gpu) or sum(known) / len(known))
-        by_speed.setdefault(speed, []).extend(
-            min(cap, max(0.0, reads.now - at) * speed) for at in reads.sent_at[gpu])
+        server = reads.servers.get(gpu) or {}
+        running, generating = server.get("running"), server.get("gen_throughput")
+        speed = (generating / running if running and generating
+                 else reads.speeds.get(gpu) or sum(known) / len(known))
+        sent = sorted(reads.sent_at[gpu])  # the longest in flight are the ones decoding
+        decoding = sent if running is None else sent[:int(running)]
+        speed_class = _speed_class(speed)
+        waiting[speed_class] = waiting.get(speed_class, 0) + len(sent) - len(decoding)
+        by_speed.setdefault(speed_class, []).extend(
+            min(cap, max(0.0, reads.now - at) * speed) for at in decoding)
     in_flight = {speed: eta.censored_buckets(so_far, cap) for speed, so_far in by_speed.items()}
-    everything = [g for so_far in by_speed.values() for g in so_far]
-    mass = eta.length_distribution(finished, eta.censored_buckets(everything, cap), cap)
-    unsent = max(0, left - len(everything))
-    tokens = eta.tokens_left(mass, unsent, eta.censored_buckets(everything, cap))
+    decoding_so_far = eta.censored_buckets([g for v in by_speed.values() for g in v], cap)
+    mass = eta.length_distribution(finished, decoding_so_far, cap)
+    unsent = max(0, left - sum(reads.in_flight_set.values()))
+    tokens = eta.tokens_left(mass, unsent + sum(waiting.values()), decoding_so_far)
     rate = sum(speed * len(so_far) for speed, so_far in by_speed.items()) \
         or per_second(reads, "t")
     if rate <= 0:
         return None, tokens
-    return round(eta.seconds_left(mass, unsent, in_flight, rate) / 3600, 3), tokens
+    return round(eta.seconds_left(mass, unsent, in_flight, rate, waiting) / 3600, 4), tokens
 
 
 def _speed_class(speed: float) -> float:
@@ -273,7 +284,7 @@ def eta_by_requests(reads: Reads, left: int, rate: float) -> float | None:
         return None
     if reads.job.turns == "all" and reads.job.replies_per_prompt:
         left, rate = left * reads.job.replies_per_prompt, rate + per_second(reads, "r")
-    return round(left / rate / 3600, 3) if rate > 0 else None
+    return round(left / rate / 3600, 4) if rate > 0 else None
 
 
 def remaining(reads: Reads) -> int:

@@ -1,0 +1,86 @@
+"""Case 18: the ETA on a run of the seed's shape. Prompts of the seed's lengths (lognormal,
+median 1,800, 18% beyond 4,096) at a cap of 4,096, on four simulated servers of 40 slots, one
+1.5x slower. progress.json, as beat writes it (every 5 s, the deployed period), is read every
+2 s; once the run is done, each reading's ETA is compared with the time that was actually left
+(its time to the last row). From 10% of the run on, the token ETA (`eta_hours`) is within 10%
+of it; the request-rate formula (`eta_hours_by_requests`) is shown beside it."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+from dflash_dev.local import LocalCluster, free_port, wait_until
+from dflash_tasks.core.keys import JobName
+
+CAP = 4096
+SLOTS, DECODE_TPS = 40, 1500.0
+
+
+def eta_case(work: Path, dataset: Path, prompts: int, servers: int, slow_factor: float) -> dict:
+    from benchmarks.bench import log
+
+    root, job = work / "case18", JobName("eta")
+    slow = [1.0] * (servers - 1) + [slow_factor]
+    extra = {i: ["--slow-factor", f"{f:g}"] for i, f in enumerate(slow) if f != 1.0}
+    progress = root / "output" / job / "progress.json"
+    readings: list[dict] = []
+    stop = threading.Event()
+
+    def read_progress() -> None:
+        while not stop.wait(2.0):
+            try:
+                snap = json.loads(progress.read_text())
+            except (OSError, ValueError):
+                continue
+            if snap.get("status") == "running" and (not readings or
+                                                    snap["updated_at"] != readings[-1]["at"]):
+                readings.append({"at": snap["updated_at"], "completed": snap["completed"],
+                                 "eta_s": _seconds(snap.get("eta_hours")),
+                                 "by_requests_s": _seconds(snap.get("eta_hours_by_requests"))})
+
+    with LocalCluster(root / "logs", env={"DFLASH_OUTPUT_DIR": str(root / "output")}) as c:
+        r = redis.Redis.from_url(c.start_redis(free_port(), root / "redis"))
+        c.start_servers(servers, ["--slots", str(SLOTS), "--decode-tps", f"{DECODE_TPS:g}"],
+                        extra_args=extra)
+        c.start_workers()
+        c.start_beat()
+        log(f"case 18: {prompts:,} prompts at a cap of {CAP:,} on {servers} servers, one "
+            f"{slow_factor:g}x slower; progress.json read every 2 s")
+        reader = threading.Thread(target=read_progress, daemon=True)
+        reader.start()
+        started = time.time()
+        c.manage("enqueue", "--dataset", str(dataset), "--job", job, "--max-output-tokens",
+                 str(CAP), capture=True)
+        wait_until(lambda: r.hget(job.config, "status") == b"done", timeout=3600, interval=1.0,
+                   what="case 18's run")
+        stop.set()
+        reader.join()
+        counters = {k.decode(): int(v) for k, v in r.hgetall(job.counters).items()}
+    # The last row's time: Redis's clock, in whole seconds (complete.lua), on this machine.
+    end = counters["last_completed_at"] + 1.0
+    run_s = end - started
+    judged = [x for x in readings if x["at"] - started >= 0.1 * run_s and end - x["at"] > 0]
+    for x in judged:
+        left = end - x["at"]
+        x["left_s"] = left
+        x["eta_error"] = abs(x["eta_s"] - left) / left if x["eta_s"] is not None else None
+        x["by_requests_error"] = (abs(x["by_requests_s"] - left) / left
+                                  if x["by_requests_s"] is not None else None)
+    errors = [x["eta_error"] for x in judged if x["eta_error"] is not None]
+    old = [x["by_requests_error"] for x in judged if x["by_requests_error"] is not None]
+    return {"name": "case18", "prompts": prompts, "servers": servers, "slow": slow,
+            "run_s": run_s, "readings": len(readings), "judged": len(judged),
+            "truncated_pct": round(100 * counters.get("finish:length", 0) / prompts, 1),
+            "eta_max_error": max(errors) if errors else None,
+            "eta_median_error": sorted(errors)[len(errors) // 2] if errors else None,
+            "by_requests_max_error": max(old) if old else None,
+            "by_requests_median_error": sorted(old)[len(old) // 2] if old else None,
+            "samples": judged}
+
+
+def _seconds(hours: float | None) -> float | None:
+    return None if hours is None else hours * 3600
