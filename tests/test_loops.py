@@ -107,6 +107,13 @@ def test_a_job_names_its_looping_rows_and_the_gate_drops_them(cluster, tmp_path)
     # Continued to 8,192: a loop stays a loop, the progressing rows finish or go on; the
     # counters follow the newest rows (reopen.lua takes the old row's mark back).
     c.manage("set", "--job", "loops", "--max-output-tokens", "8192")
+    skipped = c.manage("regenerate", "--job", "loops", "--finish-reason", "length", "--continue",
+                       "--skip-looping").stdout
+    assert f"{len(cut - looping):,} prompts with finish_reason 'length' queued" in skipped
+    c.wait_done("loops")
+    assert c.status("loops")["truncated"]["looping"] == len(looping)  # left as they were
+    assert all(row["metadata"]["completion_tokens"] == 4096
+               for row in c.rows("loops") if row["id"] in looping)
     c.manage("regenerate", "--job", "loops", "--finish-reason", "length", "--continue")
     c.wait_done("loops")
     newest = {row["id"]: row for row in c.rows("loops")}
