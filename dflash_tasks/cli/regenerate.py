@@ -217,7 +217,7 @@ def regenerate(name: JobName, finish_reason: str, continue_output: bool, limit: 
         return
     console.print(f"job {name}: {tally.reopened:,} prompts with finish_reason {finish_reason!r} "
                   f"queued again at max_tokens {cap:,}")
-    if drawn is None and tally.skipped_at_cap:
+    if tally.skipped_at_cap:
         console.print(f"  {tally.skipped_at_cap:,} already at the cap of {cap:,} are left as "
                       "they are")
     if continue_output:
@@ -309,8 +309,6 @@ def _continue_from_index(book, r, storage, spool, name: JobName, cap: int, tally
     return drawn
 
 
-
-
 def _why_every_batch(name: str, reason: str, indexed: int, counted: int) -> str:
     from dflash_tasks.ledger import UNINDEXED_REASONS
 
@@ -376,7 +374,7 @@ def _report_sample(r, book, name: JobName, cap: int, before: dict, drawn: Draw, 
         return int(after.get(key, 0)) - int(before.get(key, 0))
 
     finished = delta("finish:stop")
-    looping = delta("looping:length") + sum(e.looping for e in drawn.rows[:n])
+    looping = delta("looping:length") + sum(e.looping for e in drawn.rows)
     extra = delta("output_tokens")
     old_mean = sum(e.completion_tokens for e in drawn.rows) / len(drawn.rows)
     # The sample's new lengths: the histogram's change, and its old rows taken out of it.

@@ -13,7 +13,8 @@ histogram of finished rows (a row cut at the cap is an output of exactly the cap
 of the job runs under it), with each prompt in flight a censored observation, at least as long
 as what it has generated (its time since it was sent × its GPU's decode speed per request, at
 most the cap). Counting the long outputs still in flight is what the completions alone miss.
-The fleet's rate is the output tokens of the requests that ended in the window.
+The time is those tokens at the fleet's rate (what it generates now: progress.token_eta), then
+the end, when each slot finishes what it holds (seconds_left).
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def length_distribution(finished: Mapping[int, int], censored: Mapping[int, tupl
 def tokens_left(mass: list[tuple[float, float]], unsent: int,
                 censored: Mapping[int, tuple[int, float]]) -> float:
     """Expected output tokens left: each prompt not yet sent an output of the expected length,
-    each in flight the expected rest of one longer than its bucket's lower edge. O(buckets)."""
+    each in flight the expected rest of one longer than its bucket's lower edge: O(buckets²),
+    a few thousand steps at a cap of 4,096."""
     left = unsent * _mean_beyond(mass, -1.0)
     for bucket, (n, so_far) in censored.items():
         left += max(0.0, n * _mean_beyond(mass, bucket) - so_far)
