@@ -267,8 +267,13 @@ class LocalCluster:
         return proc
 
     def manage(self, *args: str, capture: bool = False) -> subprocess.CompletedProcess:
-        return subprocess.run(python("manage.py", *args), cwd=ROOT, env=self.env, check=True,
+        """manage.py's result; a failure raises with what it printed (captured or not)."""
+        done = subprocess.run(python("manage.py", *args), cwd=ROOT, env=self.env,
                               capture_output=capture, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"manage.py {' '.join(args)} exited {done.returncode}:\n"
+                               f"{(done.stdout or '')[-2000:]}{(done.stderr or '')[-3000:]}")
+        return done
 
     # -- the end ---------------------------------------------------------------------------------------
 

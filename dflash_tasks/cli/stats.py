@@ -65,7 +65,10 @@ def stats(name: JobName, as_json: bool, source: str | None, sample: int, plot: P
                   + (f"; in the sample {s['truncated_thinking_pct']:.1f}% while thinking (no answer), "
                      f"{s['truncated_answer_pct']:.1f}% in the answer" if s["rows"] else ""))
     split = result["truncated"]
-    if split["rows"]:
+    if split["rows"] and not split["looping"]:
+        console.print(f"truncated rows: none looping, all {split['rows']:,} still progressing (a "
+                      "higher cap may let them finish)")
+    elif split["rows"]:
         console.print(
             f"truncated rows: {split['looping']:,} looping "
             f"({100 * split['looping'] / split['rows']:.1f}%, {split['looping_mean_tokens']:,} "
