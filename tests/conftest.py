@@ -82,8 +82,17 @@ class Cluster(LocalCluster):
         return json.loads(self.manage("status", "--job", job, "--json").stdout)
 
     def wait_done(self, job: str, timeout: float = 300) -> dict:
-        return wait_until(lambda: (s := self.status(job))["status"] == "done" and s,
-                          timeout=timeout, interval=0.5, what=f"job {job} to be done")
+        seen: dict = {}
+
+        def done():
+            seen.update(self.status(job))
+            return seen["status"] == "done" and dict(seen)
+
+        try:
+            return wait_until(done, timeout=timeout, interval=0.5, what=f"job {job} to be done")
+        except TimeoutError as exc:  # what it was waiting on, for a failure seen only in CI
+            counts = {k: v for k, v in seen.items() if not isinstance(v, (dict, list))}
+            raise TimeoutError(f"{exc}; its status last: {counts}") from None
 
     def rows(self, job: str) -> list[dict]:
         storage = LocalStorage(self.output_dir)

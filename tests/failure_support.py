@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import pickle
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -36,6 +37,25 @@ def sim_hold(*urls: str) -> None:
 def sim_release(*urls: str) -> None:
     for url in urls:
         httpx.post(f"{url}/sim/release", timeout=10).raise_for_status()
+
+
+def messages_settled(c, job: str, gpu: str) -> bool:
+    """Every prompt of `job` in flight on `gpu` has its message in the GPU's queue or among the
+    broker's unacknowledged ones, on two looks a moment apart: with the server held, no worker
+    is between its BRPOP and its unacknowledged record, where a SIGKILL loses the message (the
+    reaper's lost_message_grace_s brings such a one back; a test of the restart path must not
+    wait for it)."""
+    from dflash_tasks.core.keys import GpuName, JobName
+    from dflash_tasks.dispatch import UnackedLook, messages_present
+
+    name, queue = JobName(job), GpuName(gpu)
+    for look in range(2):
+        in_flight = {m.decode() for m in c.r.zrange(name.inflight(queue), 0, -1)}
+        if in_flight - messages_present(c.r, name, queue, UnackedLook(c.r).ids()):
+            return False
+        if look == 0:
+            time.sleep(0.5)
+    return True
 
 
 def sim_down(url: str, seconds: float) -> None:

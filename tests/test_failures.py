@@ -17,9 +17,12 @@ from failure_support import (
     dataset,
     failed_registry,
     kombu_entry,
+    messages_settled,
     pickled_task,
     prompts,
     sim_down,
+    sim_hold,
+    sim_release,
     sim_stats,
 )
 from support import ROOT, wait_until
@@ -429,9 +432,14 @@ def test_sigkill_while_retries_wait_loses_and_doubles_nothing(cluster, tmp_path)
     c.manage("enqueue", "--dataset", str(dataset(tmp_path, rows)), "--job", "kill9",
              "--max-output-tokens", "2048")
     wait_until(lambda: c.status("kill9")["completed"] >= 100, timeout=120, what="100 completions")
+    # Held there, so the kill finds every message queued or unacknowledged (none in a BRPOP's
+    # reply, which only the reaper, an hour away here, would bring back).
+    sim_hold(c.url(0))
+    wait_until(lambda: messages_settled(c, "kill9", c.gpu(0)), timeout=60, what="messages settled")
     assert c.r.hlen("unacked") > 0
     worker.kill()
     assert (s := c.status("kill9"))["in_flight"] + s["retry_waiting"] > 0
+    sim_release(c.url(0))
     again = c.start_worker(0)
     c.wait_done("kill9", timeout=240)
     assert "what a previous worker held) are back in the queue" in again.log()
