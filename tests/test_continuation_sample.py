@@ -52,6 +52,9 @@ def test_a_sample_reports_its_rows_exactly_and_the_rest_follows(cluster, tmp_pat
     sampled = {row["id"] for row in made[len(cut):]}  # each continued once: a second row, kept
     assert len(made) == len(cut) + n and len(sampled) == n
     meta = [newest[i]["metadata"] for i in sampled]
+    # Each went on from its 4,096 tokens (none started over), as one request to 8,192 would.
+    assert all(m.get("continued_tokens") == 4096 for m in meta), \
+        [m.get("gpus") for m in meta if m.get("continued_tokens") != 4096]
     assert report["finished_share"] == round(sum(m["finish_reason"] == "stop" for m in meta) / n, 4)
     assert report["looping_share"] == round(sum(bool(m.get("loop")) for m in meta) / n, 4) > 0
     extra = sorted(m["completion_tokens"] - 4096 for m in meta)
@@ -74,6 +77,7 @@ def test_a_sample_reports_its_rows_exactly_and_the_rest_follows(cluster, tmp_pat
     for row in c.rows("cap"):
         newest[row["id"]] = row
     rest = cut - sampled
+    assert all(newest[i]["metadata"].get("continued_tokens") == 4096 for i in rest)
     finished = sum(newest[i]["metadata"]["finish_reason"] == "stop" for i in rest) / len(rest)
     rest_extra = sum(newest[i]["metadata"]["completion_tokens"] - 4096 for i in rest)
     p = report["finished_share"]

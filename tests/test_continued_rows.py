@@ -161,3 +161,20 @@ def test_the_split_is_sglangs_qwen3_parser(text, thinking, want):
     assert split_reasoning(text, parser="qwen3", enable_thinking=thinking) == want
     assert sim_split(text, thinking) == want
     assert split_reasoning(text, parser=None, enable_thinking=thinking) == (None, text)
+
+
+def test_a_generation_at_or_past_the_cap_ends_there_with_its_shares_cut():
+    """An entry holding the job's whole cap and no finish (a move aborted as it reached the cap,
+    or the cap lowered since) ends at the cap: its first ids, each GPU's share up to them."""
+    from dflash_tasks.core.jobs import GenerationParams
+    from dflash_tasks.sglang.ongoing import Ongoing, Share
+
+    made = Ongoing([1, 2], list(range(100, 114)), GenerationParams(max_tokens=10),
+                   (Share("gpu0@a", 6, 1.0), Share("gpu1@a", 8, 2.0)), prefix_tokens=6, parts=2)
+    at_cap = made.cut_at(10)
+    assert at_cap.response_ids == list(range(100, 110)) and at_cap.finish_reason == "length"
+    assert at_cap.shares == (Share("gpu0@a", 6, 1.0), Share("gpu1@a", 4, 2.0))
+    assert at_cap.prefix_tokens == 6 and at_cap.matched_stop is None
+    lowered = made.cut_at(4)
+    assert lowered.shares == (Share("gpu0@a", 4, 1.0),) and lowered.prefix_tokens == 4
+    assert made.cut_at(14).response_ids == made.response_ids

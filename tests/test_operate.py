@@ -176,16 +176,19 @@ def test_regenerate_continues_truncated_rows_after_raising_the_cap(cluster, tmp_
     assert "500 (one per id)" in export and f"{len(cut):,} older rows" in export
 
 
-def test_a_continuation_whose_cap_was_lowered_again_is_generated_anew(cluster, tmp_path):
+def test_a_continuation_whose_cap_was_lowered_again_ends_at_the_cap(cluster, tmp_path):
     """regenerate --continue queues truncated rows with the tokens they have; if the cap is
-    lowered to that before they run, there is nothing to continue: each is generated anew at the
-    job's cap instead of failing (found by the chaos test, seed 411)."""
+    lowered to that before they run, there is nothing to continue (found by the chaos test,
+    seed 411): each ends at the job's cap with the ids it has, the row one request capped there
+    gives, not generated again. A move whose abort came as the generation reached the cap
+    leaves the same entry (tests/test_continuation_sample.py met it one run in three)."""
     c = cluster()
     start(c, gpus=(0,))
     path, rows = prompts(tmp_path, 80)
     c.manage("enqueue", "--dataset", str(path), "--job", "lower", "--gpus", "1",
              "--max-output-tokens", "1024")
     c.wait_done("lower")
+    first = {row["id"]: row for row in c.rows("lower")}
     at_1024 = expected(rows, 1024)
     cut = sorted(i for i, p in at_1024.items() if p.finish_reason == "length")
     assert cut
@@ -200,6 +203,9 @@ def test_a_continuation_whose_cap_was_lowered_again_is_generated_anew(cluster, t
     for pid in cut:
         meta = newest[pid]["metadata"]
         assert (meta["completion_tokens"], meta["finish_reason"]) == (1024, "length"), pid
+        assert meta["continued_tokens"] == 1024 and meta["gpus"][0]["tokens"] == 1024, meta
+        assert newest[pid]["token_ids"] == first[pid]["token_ids"], pid
+        assert newest[pid]["conversations"] == first[pid]["conversations"], pid
 
 
 def test_status_shows_each_servers_own_load_from_its_metrics(cluster, tmp_path):

@@ -177,6 +177,20 @@ class Ongoing:
         """This generation, ended with its last part (`last`, already added by went_on)."""
         return replace(self, finish_reason=last.finish_reason, matched_stop=last.matched_stop)
 
+    def cut_at(self, cap: int) -> "Ongoing":
+        """This generation ended by a cap it has reached without a finish of its own: its first
+        `cap` ids, each share kept up to them, finished "length", the row one request capped
+        there gives (the first `cap` tokens of a longer sample are a sample capped at `cap`)."""
+        shares, left = [], cap
+        for share in self.shares:
+            if left <= 0:
+                break
+            shares.append(replace(share, tokens=min(share.tokens, left)))
+            left -= share.tokens
+        return replace(self, response_ids=self.response_ids[:cap], shares=tuple(shares),
+                       prefix_tokens=min(self.prefix_tokens, cap), finish_reason="length",
+                       matched_stop=None)
+
     def finished(self, client: SGLangClient, *, reasoning_parser: str | None) -> Completion:
         """The whole ended generation as one request would have answered it: its text decoded
         from all its ids by the server, split as the chat endpoint splits it."""

@@ -171,7 +171,8 @@ def _generate(self, job: JobName, prompt_id: str, gpu: GpuName, tries: int) -> d
     try:
         server = client.contract()  # learnt at the worker's start (hooks.py), then cached
         if ongoing is not None and ongoing.finish_reason is not None:
-            # Its ids are whole: only its text was left to decode when the server went away.
+            # Its ids are whole: only its text was left to decode when the server went away, or
+            # it has the whole cap (_ongoing).
             return _record(job, prompt_id, gpu, state, messages, ongoing, client, server,
                            made=None)
         cap = _request_cap(client, server, state, ongoing, params)
@@ -238,13 +239,14 @@ def _generate(self, job: JobName, prompt_id: str, gpu: GpuName, tries: int) -> d
 
 def _ongoing(state: TaskState, job_params: GenerationParams) -> Ongoing | None:
     """The generation this prompt goes on from (a round, a move, regenerate --continue), or None
-    to start it. One that already has its whole cap and has not ended (an entry an older
-    deployment left after a lowered cap) starts over at the job's parameters."""
+    to start it. One that already has the job's whole cap and has not ended (a move whose
+    abort came as it reached the cap, or a cap lowered since) ends at the cap, as one request
+    capped there ends: its row is recorded from the ids it has."""
     if state.continuation is None:
         return None
     ongoing = Ongoing.from_entry(state.continuation, job_params)
     if ongoing.finish_reason is None and ongoing.generated >= ongoing.params.max_tokens:
-        return None
+        return ongoing.cut_at(ongoing.params.max_tokens)
     return ongoing
 
 
