@@ -93,3 +93,14 @@ def test_the_token_eta_is_within_ten_percent_from_a_tenth_of_the_run(seed):
     request_errors = [abs(requests - actual) / actual for _, _, _, requests, actual in judged]
     assert max(token_errors) < 0.10, (f"replay(seed={seed})", judged)
     assert max(request_errors) > 0.5 > 3 * max(token_errors)
+
+
+def test_with_nothing_decoding_the_time_left_is_its_tokens_at_the_rate():
+    """Servers that decode nothing now (stalled, or a test's hold) while prompts wait: the ETA is
+    the tokens left at the fleet's last rate, never 0 (it read 0.0 with 958 prompts left)."""
+    mass = eta.length_distribution({1024: 50, 2048: 50}, {}, CAP)
+    idle = {SPEED: {}}
+    assert eta.seconds_left(mass, 100, idle, 1000.0) == pytest.approx(
+        eta.tokens_left(mass, 100, {}) / 1000.0)
+    held = eta.seconds_left(mass, 80, idle, 1000.0, waiting={SPEED: 20})
+    assert held == pytest.approx(eta.tokens_left(mass, 100, {}) / 1000.0) and held > 100

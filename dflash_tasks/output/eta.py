@@ -101,8 +101,10 @@ def seconds_left(mass: list[tuple[float, float]], unsent: int,
     own: P(L - g > r | L > g)."""
     waiting = waiting or {}
     slots = {speed: sum(n for n, _ in groups.values()) for speed, groups in in_flight.items()}
-    if not mass or rate <= 0 or not any(slots.values()):
+    if not mass or rate <= 0:
         return 0.0
+    if not any(slots.values()):  # nothing decoding now (servers stalled, held): no end to model
+        return tokens_left(mass, unsent + sum(waiting.values()), {}) / rate
     mean = sum(length * p for length, p in mass)
     # a slot's share of its GPU's waiting prompts, decoded after the output it holds
     shift = {speed: waiting.get(speed, 0) * mean / n for speed, n in slots.items() if n}
