@@ -27,11 +27,12 @@ def sim_stats(url: str) -> dict:
     return httpx.get(f"{url}/sim/stats", timeout=10).json()
 
 
-def sim_hold(*urls: str) -> None:
+def sim_hold(*urls: str, after: int = 0) -> None:
     """Hold every answer of these simulated servers (/sim/hold): the run stops where it is, on a
-    fast machine or a slow one, until sim_release."""
+    fast machine or a slow one, until sim_release; with `after`, once each has given that many
+    more answers."""
     for url in urls:
-        httpx.post(f"{url}/sim/hold", timeout=10).raise_for_status()
+        httpx.post(f"{url}/sim/hold", json={"after": after}, timeout=10).raise_for_status()
 
 
 def sim_release(*urls: str) -> None:

@@ -429,12 +429,13 @@ def test_sigkill_while_retries_wait_loses_and_doubles_nothing(cluster, tmp_path)
     worker = c.start_worker(0)
     c.start_beat()
     rows = prompts(400)
+    # Held after 100 answers, however fast the machine, and killed once every message is queued
+    # or unacknowledged (none in a BRPOP's reply, which only the reaper, an hour away here,
+    # would bring back).
+    sim_hold(c.url(0), after=100)
     c.manage("enqueue", "--dataset", str(dataset(tmp_path, rows)), "--job", "kill9",
              "--max-output-tokens", "2048")
-    wait_until(lambda: c.status("kill9")["completed"] >= 100, timeout=120, what="100 completions")
-    # Held there, so the kill finds every message queued or unacknowledged (none in a BRPOP's
-    # reply, which only the reaper, an hour away here, would bring back).
-    sim_hold(c.url(0))
+    wait_until(lambda: sim_stats(c.url(0))["held"] > 0, timeout=120, what="answers held after 100")
     wait_until(lambda: messages_settled(c, "kill9", c.gpu(0)), timeout=60, what="messages settled")
     assert c.r.hlen("unacked") > 0
     worker.kill()

@@ -7,7 +7,7 @@ import json
 from collections import Counter
 
 from conftest import write_jsonl
-from failure_support import sim_hold, sim_release
+from failure_support import sim_hold, sim_release, sim_stats
 from support import wait_until
 
 SIM_ARGS = ("--slots", "40", "--decode-tps", "4000")
@@ -87,10 +87,12 @@ def test_resume_after_everything_is_killed_does_only_the_rest(cluster, tmp_path)
     c = cluster(visibility_timeout_s=15, reap_after_s=30)
     start(c)
     path, ids = dataset(tmp_path, 1200)
+    # Held mid-run (the servers answer nothing more after 150 answers each), whatever the
+    # machine's speed, then killed.
+    sim_hold(c.url(0), c.url(1), after=150)
     c.manage("enqueue", "--dataset", str(path), "--job", "resume", "--gpus", "2")
-    wait_until(lambda: c.status("resume")["completed"] >= 300, timeout=120, what="300 completions")
-    # Held mid-run (the servers answer nothing more), whatever the machine's speed, then killed.
-    sim_hold(c.url(0), c.url(1))
+    wait_until(lambda: all(sim_stats(url)["held"] for url in (c.url(0), c.url(1))), timeout=120,
+               what="both servers holding their answers after 150 each")
     for proc in [*c.workers.values(), c.beat]:
         proc.kill()
     sim_release(c.url(0), c.url(1))

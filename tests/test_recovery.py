@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import Cluster, write_jsonl
-from failure_support import sim_hold
+from failure_support import sim_hold, sim_stats
 from support import Proc, free_port, wait_until
 
 from dflash_tasks.core.keys import JobName
@@ -71,15 +71,17 @@ def test_a_gpu_whose_worker_never_comes_back_hands_its_prompts_to_the_others(tmp
             c.start_worker(gpu)
         c.start_beat()
         data = write_jsonl(tmp_path / "d.jsonl", prompts(160))
+        # Held after 5 answers, gpu1's requests stay in flight however fast or slow the machine
+        # is: the kill below always leaves prompts there (a hold once 5 rows were seen could come
+        # after gpu1 had finished its share).
+        sim_hold(c.url(1), after=5)
         c.manage("enqueue", "--dataset", str(data), "--job", "gone", "--gpus", "2",
                  "--max-output-tokens", "512")
-        wait_until(lambda: c.status("gone")["gpus"][c.gpu(1)]["completed"] >= 5, timeout=120,
-                   what="gpu1 to complete some prompts")
-        # Held, gpu1's requests stay in flight however slow the machine is: the kill below
-        # always leaves prompts there (else a loaded machine may let gpu1 finish its share first).
-        sim_hold(c.url(1))
-        wait_until(lambda: c.status("gone")["gpus"][c.gpu(1)]["in_flight"] > 0, timeout=60,
-                   what="prompts in flight on the held gpu1")
+        wait_until(lambda: sim_stats(c.url(1))["held"] > 0, timeout=120,
+                   what="gpu1's server holding its answers after 5")
+        wait_until(lambda: c.status("gone")["gpus"][c.gpu(1)]["completed"] >= 5, timeout=60,
+                   what="gpu1's 5 rows")
+        assert c.status("gone")["gpus"][c.gpu(1)]["in_flight"] > 0
         c.workers[1].kill()  # SIGKILL: its heartbeat stops, its messages stay unacknowledged
 
         def finished_while_accounting():

@@ -451,3 +451,19 @@ def test_startup_then_down_and_back(tmp_path):
         assert sim.chat("after the restart", max_tokens=5).json()["choices"][0]["finish_reason"] == "length"
     finally:
         sim.stop()
+
+
+def test_hold_after_lets_that_many_answers_through_then_holds_the_rest(fast):
+    """/sim/hold {"after": N}: a test stops a run at a point it chose, however fast the machine."""
+    assert fast.client.post("/sim/hold", json={"after": 2}).json() == {"held": False, "after": 2}
+    try:
+        for i in range(2):
+            assert fast.chat(f"let through {i}", max_tokens=8).status_code == 200
+        held = in_thread(fast.chat, "held", max_tokens=8)
+        wait_until(lambda: fast.stats()["held"] == 1, timeout=10, what="the third answer held")
+        assert "result" not in held
+    finally:
+        fast.client.post("/sim/release")
+    held["thread"].join(timeout=10)
+    assert held["result"].status_code == 200 and fast.stats()["held"] == 0
+    assert fast.client.post("/sim/hold", json={"after": "x"}).status_code == 400

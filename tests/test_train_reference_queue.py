@@ -48,11 +48,9 @@ poll_s = 0.5
     generate(c, tmp_path, "ref", 6)
     run = queue_run(c, "--job", "ref", "--min-rows", "2", "--config", str(config))
     assert run_status(c, run)["status"] == "waiting"
-    sim_release(c.url(0))
-    # Held again once two rows are in, until the run has started following the job: on a loaded
-    # machine loading the target could otherwise outlast the last four rows.
-    wait_until(lambda: c.status("ref")["completed"] >= 2, timeout=120, what="two rows")
-    sim_hold(c.url(0))
+    # Released, and held again after two more answers until the run has started following the
+    # job: on a loaded machine loading the target could otherwise outlast the last rows.
+    sim_hold(c.url(0), after=2)
     wait_until(lambda: any("following the job" in line for line in run_status(c, run)["log_tail"]),
                timeout=180, interval=0.2, what="the run following the job")
     sim_release(c.url(0))

@@ -20,7 +20,8 @@ in flight and listens again on the same port after the given seconds, as a crash
 server would look to its clients. `POST /sim/hold` holds every answer (a generation that ends
 waits, unanswered; an aborted one is answered at once, its partial output and all, as SGLang
 answers an abort) until `POST /sim/release`: a test acts mid-run at a point it chose, instead of
-racing a run that a fast or a slow machine ends sooner or later.
+racing a run that a fast or a slow machine ends sooner or later. `{"after": N}` lets N more
+answers through first: the run stops at that point however fast the machine.
 
 Decisions where SGLang's own behaviour was not the point:
 - `stream: true` is refused with a 400 (the project only uses non-streaming requests);
@@ -182,6 +183,8 @@ class SimServer:
         self.up_at = self.started_at + config.startup_seconds
         self.down_until = 0.0
         self.answering: asyncio.Event | None = None  # cleared while /sim/hold holds the answers
+        self.hold_after: int | None = None  # answers /sim/hold {"after": N} lets through still
+        self.held = 0  # answers waiting for /sim/release
         self.port = config.port
         self.max_total_num_tokens = max(config.context_length, config.slots * 8192)
         # the decode slots
@@ -464,7 +467,17 @@ class SimServer:
             return _json(exc.body, exc.status)
         outcome = await self._run(gen)
         if self.answering is not None and outcome not in ("abort", "abort_waiting"):
-            await self.answering.wait()  # /sim/hold (an abort is answered at once, as SGLang does)
+            if self.hold_after is not None:
+                if self.hold_after == 0:
+                    self.answering.clear()
+                    self.hold_after = None
+                else:
+                    self.hold_after -= 1
+            self.held += 1
+            try:
+                await self.answering.wait()  # /sim/hold (an abort is answered at once, as SGLang does)
+            finally:
+                self.held -= 1
         if outcome == "killed":
             self.errors["killed"] += 1
             return self._drop(request)
@@ -828,6 +841,7 @@ class SimServer:
             "errors": dict(self.errors),
             "running": len(self.running),
             "queued": len(self.waiting),
+            "held": self.held,
             "slots": self.config.slots,
             "max_running_seen": self.max_running_seen,
             "max_queued_seen": self.max_queued_seen,
@@ -874,12 +888,21 @@ class SimServer:
         return _json(self.faults)
 
     async def sim_hold(self, request: web.Request) -> web.Response:
+        try:
+            after = int(json.loads(await request.read() or b"{}").get("after") or 0)
+        except (ValueError, TypeError, AttributeError):
+            return _json({"error": 'expected {"after": N} or nothing'}, 400)
         if self.answering is None:
             self.answering = asyncio.Event()
-        self.answering.clear()
-        return _json({"held": True})
+        if after > 0:
+            self.answering.set()
+            self.hold_after = after
+        else:
+            self.answering.clear()
+        return _json({"held": not after, "after": after})
 
     async def sim_release(self, request: web.Request) -> web.Response:
+        self.hold_after = None
         if self.answering is not None:
             self.answering.set()
         return _json({"held": False})
