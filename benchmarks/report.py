@@ -199,7 +199,8 @@ def _seed_rows(res: dict) -> list[tuple]:
             "18", f"the ETA on a run of the seed's shape ({c18['prompts']:,} prompts,"
                   f" {c18['truncated_pct']:g}% at a 4,096 cap, one server {max(c18['slow']):g}x"
                   " slower): largest error against the time left, from 10% of the run on"
-                  f" ({c18['judged']} readings of progress.json)", "≤ 10%",
+                  f" ({c18['judged']} readings of progress.json, while 3.6 s or more were left)",
+            "≤ 10%",
             _pct_or_none(c18["eta_max_error"]) + " (token ETA)",
             _pct_or_none(c18["by_requests_max_error"]) + " (request-rate formula)",
             c18["eta_max_error"] is not None and c18["eta_max_error"] <= 0.10))
@@ -498,7 +499,10 @@ def _seed_measured(res: dict) -> list[str]:
             f" ({c18['truncated_pct']:g}% cut), {c18['servers']} simulated servers of 40 slots,"
             f" one {max(c18['slow']):g}x slower, run in {c18['run_s']:.0f} s; progress.json (beat,"
             " every 5 s) read every 2 s, each reading's ETA against the time from it to the last"
-            " row. From 10% of the run on: token ETA (`eta_hours`, dflash_tasks/output/eta.py)"
+            " row (its metadata's completed_at, to the millisecond). Judged from 10% of the run"
+            " on, while 3.6 s or more were left (eta_hours has four decimals, 0.36 s: its"
+            " rounding alone is within 5% there; the run is the seed's hours in two minutes):"
+            " token ETA (`eta_hours`, dflash_tasks/output/eta.py)"
             f" median error {_pct_or_none(c18['eta_median_error'])}, largest"
             f" {_pct_or_none(c18['eta_max_error'])}; the request-rate formula"
             f" (`eta_hours_by_requests`) {_pct_or_none(c18['by_requests_median_error'])} and"
@@ -684,10 +688,11 @@ def _gaps(res: dict) -> list[str]:
             + (f" It was {worst['eta_s']:.1f} s for {worst['left_s']:.1f} s left, with"
                f" {worst['completed']:,} of {c18['prompts']:,} rows done." if worst else "")
             + " The replay of tests/test_eta.py, a fleet with none of the deployment's own"
-            " costs, holds within 10%; what this run adds, and the ETA does not yet model, is"
-            " not measured apart: the time between a slot freeing and its next request (tens"
-            " of milliseconds, against requests of about a second in this compressed run), and"
-            " the end game's moves and rounds, which decide its last seconds.")
+            " costs, holds within 10%; what this run adds and the ETA models only in part is"
+            " the end game (its moves to the fastest GPU, and the generations paused between"
+            " rounds with the tokens they hold), which decides its last seconds, and the time"
+            " between a slot freeing and its next request (tens of milliseconds, against"
+            " requests of about a second in this compressed run).")
     c6 = res.get("case6")
     if c6 and (c6["ids_doubled"] or c6["ids_missing"] or c6["ids_unknown"]
                or c6["memory_peak_during"] - c6["memory_before"] > c6["batch_rows"] * c6["mean_row_bytes"]):

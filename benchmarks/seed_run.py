@@ -350,7 +350,8 @@ def endgame_redis_case(work: Path, gpus: int = 64, slots: int = 64, tokens: int 
             prompt_id, frame = f"g{i:06d}", frames[i % len(frames)]
             started_from = hashlib.sha1(r.hget(job.prompts, prompt_id)).hexdigest()
             kept = store_entry(r, s, job, frame)
-            assert window.next_round(r, job, prompt_id, gpu, kept, 2048, started_from)
+            assert window.next_round(r, job, prompt_id, gpu, kept, 2048, started_from,
+                                     held=tokens)
             inline += len(frame)
         took = time.monotonic() - started
         after = int(r.info("memory")["used_memory"])

@@ -131,6 +131,13 @@ class JobName(str):
         # moved off a slower GPU (take.lua), until the worker there hands it over (hand_over.lua)
         return self._k("migrating")
 
+    @property
+    def going_on(self) -> str:    # hash: id -> output tokens its generation holds before its
+        # current request (next_round.lua and hand_over.lua set, complete.lua drops): what a
+        # prompt in flight has generated, for the ETA (progress.py), ~70 B per generation
+        # between rounds or moved
+        return self._k("going_on")
+
     def retrying(self, gpu: str) -> str:  # zset: ids whose retry waits for its ETA in the GPU's
         # worker -> when it is due (retry.lua adds, the task's next run removes)
         return self._k(f"retrying:{gpu}")

@@ -83,17 +83,18 @@ def migration_target(r: redis.Redis, job: JobName, prompt_id: str, gpu: GpuName)
 
 
 def hand_over(r: redis.Redis, job: JobName, prompt_id: str, source: str, target: str | None,
-              entry: bytes, tokens: int, started_from: str, rate_bucket_s: int = 10) -> bool:
+              entry: bytes, tokens: int, started_from: str, rate_bucket_s: int = 10, *,
+              held: int = 0) -> bool:
     """Move a generation aborted on `source` to `target` (None: the front of pending), its entry
-    now the one that goes on from its partial output (hand_over.lua). False when the order
-    changed, the prompt left `source` or its entry is no longer the one of SHA-1 `started_from`
-    (ledger.TaskState.entry_digest) meanwhile (nothing moved)."""
+    now the one that goes on from its partial output, `held` tokens in all (hand_over.lua).
+    False when the order changed, the prompt left `source` or its entry is no longer the one of
+    SHA-1 `started_from` (ledger.TaskState.entry_digest) meanwhile (nothing moved)."""
     return bool(HAND_OVER(r, migrating=job.migrating, inflight_source=job.inflight(source),
                           inflight_target=job.inflight(target or source), prompts=job.prompts,
                           pending=job.pending, counters=job.counters, config=job.config,
-                          rate=job.rate, id=prompt_id, entry=entry, source=source,
-                          target=target or "", tokens=tokens, started_from=started_from,
-                          rate_bucket_s=rate_bucket_s))
+                          rate=job.rate, going_on=job.going_on, id=prompt_id, entry=entry,
+                          source=source, target=target or "", tokens=tokens,
+                          started_from=started_from, rate_bucket_s=rate_bucket_s, held=held))
 
 
 # -- the end game in rounds --------------------------------------------------------------------
@@ -126,17 +127,19 @@ def in_rounds(s: Settings, pending: int, slots: int) -> bool:
 
 def next_round(r: redis.Redis, job: JobName, prompt_id: str, gpu: GpuName, entry: bytes,
                tokens: int, started_from: str, rate_bucket_s: int = 10, *,
-               turn: bool = False, front: bool = False) -> bool:
+               turn: bool = False, front: bool = False, held: int | None = None) -> bool:
     """A generation cut at its round's end on `gpu`: its entry now the one that goes on from
-    there, to the back of pending (next_round.lua), or the `front`; with `turn`, a
-    conversation's reply made, for its next (counted as a turn, not a round). False when the
-    prompt left `gpu`, or its entry is no longer the one of SHA-1 `started_from`
-    (ledger.TaskState.entry_digest), meanwhile (nothing moved)."""
+    there, `held` tokens in all (kept for the ETA; None: not said), to the back of pending
+    (next_round.lua), or the `front`; with `turn`, a conversation's reply made, for its next
+    (counted as a turn, not a round). False when the prompt left `gpu`, or its entry is no
+    longer the one of SHA-1 `started_from` (ledger.TaskState.entry_digest), meanwhile (nothing
+    moved)."""
     return bool(NEXT_ROUND(r, inflight=job.inflight(gpu), prompts=job.prompts,
                            pending=job.pending, counters=job.counters, config=job.config,
-                           rate=job.rate, id=prompt_id, entry=entry, tokens=tokens,
-                           started_from=started_from, gpu=gpu, rate_bucket_s=rate_bucket_s,
-                           turn="1" if turn else "0", front="1" if front else "0"))
+                           rate=job.rate, going_on=job.going_on, id=prompt_id, entry=entry,
+                           tokens=tokens, started_from=started_from, gpu=gpu,
+                           rate_bucket_s=rate_bucket_s, turn="1" if turn else "0",
+                           front="1" if front else "0", held="" if held is None else held))
 
 
 def migrations(r: redis.Redis, gpu: GpuName, timeout_s: float) -> tuple[str, str] | None:

@@ -85,7 +85,9 @@ STEPS = 96  # the time grid of the end's integral
 
 def seconds_left(mass: list[tuple[float, float]], unsent: int,
                  in_flight: Mapping[float, Mapping[int, tuple[int, float]]], rate: float,
-                 waiting: Mapping[float, int] | None = None) -> float:
+                 waiting: Mapping[float, int] | None = None,
+                 moved_below: float | None = None,
+                 paused: Mapping[int, tuple[int, float]] | None = None) -> float:
     """The expected time until the last output ends. `unsent`: prompts not yet given to a GPU;
     `in_flight`: by GPU speed (output tokens/s of one request, grouped), the outputs decoding
     there (censored_buckets); `waiting`: by GPU speed, the prompts given to those GPUs that wait
@@ -98,29 +100,48 @@ def seconds_left(mass: list[tuple[float, float]], unsent: int,
     slot that takes a new prompt until the queue empties holds, at that moment, an output drawn
     by length (a longer one is more likely under way) and half done on average: its residual R
     has P(R > r) = E[(L - r)+] / E[L]. Once the queue is empty, each output in flight has its
-    own: P(L - g > r | L > g)."""
-    waiting = waiting or {}
+    own: P(L - g > r | L > g).
+
+    `moved_below`: the end game's moves (take.lua): an output on a GPU slower than this speed
+    is moved to the fastest GPU once a slot frees there, so its end runs at the fastest speed.
+    `paused`: generations waiting in pending to go on from a round (censored_buckets), the rest
+    of their output still to come before the end."""
+    waiting, paused = waiting or {}, paused or {}
+    fastest = max(in_flight, default=0.0)
+
+    def end_speed(speed: float) -> float:
+        return fastest if moved_below is not None and speed < moved_below else speed
+
     slots = {speed: sum(n for n, _ in groups.values()) for speed, groups in in_flight.items()}
     if not mass or rate <= 0:
         return 0.0
     if not any(slots.values()):  # nothing decoding now (servers stalled, held): no end to model
-        return tokens_left(mass, unsent + sum(waiting.values()), {}) / rate
+        return tokens_left(mass, unsent + sum(waiting.values()), paused) / rate
     mean = sum(length * p for length, p in mass)
     # a slot's share of its GPU's waiting prompts, decoded after the output it holds
     shift = {speed: waiting.get(speed, 0) * mean / n for speed, n in slots.items() if n}
-    if unsent > 0:
+    if unsent > 0 or paused:
         # tokens the end will spend: each slot's mean residual, E[L^2] / 2E[L], and the
         # prompts waiting for a slot on their GPU
         residual_mean = sum(length * length * p for length, p in mass) / (2 * mean) if mean else 0
         at_end = sum(slots.values()) * residual_mean + sum(waiting.values()) * mean
-        full_run = tokens_left(mass, unsent + sum(waiting.values()), _merged(in_flight)) - at_end
-        return max(0.0, full_run) / rate + _expected_max(
-            {speed: [(n, lambda r, d=shift[speed]: _residual_after_queue(mass, mean, r - d))]
-             for speed, n in slots.items() if n})
-    return _expected_max({speed: [(n, lambda r, edge=bucket, g=so_far / n, d=shift.get(speed, 0):
-                                   _residual_given(mass, edge, g, r - d))
-                                  for bucket, (n, so_far) in groups.items()]
-                          for speed, groups in in_flight.items()})
+        full_run = tokens_left(mass, unsent + sum(waiting.values()),
+                               _merged({**in_flight, -1.0: paused})) - at_end
+        return max(0.0, full_run) / rate + _expected_max(_by_speed(
+            (end_speed(speed), n, lambda r, d=shift[speed]: _residual_after_queue(mass, mean, r - d))
+            for speed, n in slots.items() if n))
+    return _expected_max(_by_speed(
+        (end_speed(speed), n, lambda r, edge=bucket, g=so_far / n, d=shift.get(speed, 0):
+         _residual_given(mass, edge, g, r - d))
+        for speed, groups in in_flight.items() for bucket, (n, so_far) in groups.items()))
+
+
+def _by_speed(members) -> dict[float, list]:
+    """(speed, slots, tail) triples grouped by speed, as _expected_max takes them."""
+    groups: dict[float, list] = {}
+    for speed, n, tail in members:
+        groups.setdefault(speed, []).append((n, tail))
+    return groups
 
 
 def _merged(in_flight: Mapping[float, Mapping[int, tuple[int, float]]]) -> dict[int, tuple[int, float]]:

@@ -87,7 +87,9 @@ class Reads:
     pending: int                     # prompts not yet dispatched
     unsealed_rows: int               # rows in the output stream, not yet sealed into a batch
     in_flight_set: dict[str, int]    # GPU -> its in-flight set's size, retries waiting included
-    sent_at: dict[str, list[float]]  # GPU -> the Redis time each prompt in flight was sent
+    sent_at: dict[str, list[tuple[float, int]]]  # GPU -> (the Redis time each prompt in flight
+    # was sent, the output tokens its generation held then: a round's or a move's, going_on)
+    paused: list[int]                # the tokens of each generation in pending going on from a round
     speeds: dict[str, float]         # GPU -> its requests' output tokens/s (complete.lua)
     retry_waiting: dict[str, int]    # GPU -> retries waiting for their ETA in a worker
     workers: dict[str, dict]         # GPU -> the worker's registration
@@ -159,7 +161,14 @@ def read(r: redis.Redis, name: JobName, s: Settings) -> Reads:
     # The quality monitor's figures (training/data/monitor.py writes the key) at its last tick.
     multi.named("quality").get(job.name.quality("figures"))
     multi.named("speeds").hgetall(job.name.speed)
+    multi.named("going_on").hlen(job.name.going_on)
     got = multi.execute()
+    sent = {gpu: [(m.decode(), at) for m, at in got[("sent_at", gpu)]] for gpu in gpus}
+    # Generations going on from a round or a move, in flight or waiting in pending: the end
+    # game's, ~11.5 per slot at most (benchmarks, case 14), read after the counts.
+    held = {k.decode(): int(v) for k, v in r.hgetall(job.name.going_on).items()} \
+        if got["going_on"] else {}
+    flying = {pid for pairs in sent.values() for pid, _ in pairs}
 
     window = dict.fromkeys(series, 0)
     for field, value in zip(rate_keys, got["rate"], strict=True):
@@ -175,7 +184,8 @@ def read(r: redis.Redis, name: JobName, s: Settings) -> Reads:
         pending=got["pending"],
         unsealed_rows=got["unsealed"],
         in_flight_set={gpu: got[("in_flight", gpu)] for gpu in gpus},
-        sent_at={gpu: [at for _, at in got[("sent_at", gpu)]] for gpu in gpus},
+        sent_at={gpu: [(at, held.get(pid, 0)) for pid, at in sent[gpu]] for gpu in gpus},
+        paused=[tokens for pid, tokens in held.items() if pid not in flying],
         speeds={key.decode(): float(v) for key, v in got["speeds"].items()},
         retry_waiting={gpu: got[("waiting", gpu)] for gpu in gpus},
         workers={key.decode(): json.loads(v) for key, v in got["workers"].items()},
@@ -225,12 +235,13 @@ def per_second(reads: Reads, series: str) -> float:
     return reads.window[series] / span if span > 0 else 0.0
 
 
-def token_eta(reads: Reads, left: int) -> tuple[float | None, float | None]:
+def token_eta(reads: Reads, left: int, s: Settings) -> tuple[float | None, float | None]:
     """(hours, output tokens) left, from tokens (eta.py). The job's length distribution so far,
     the prompts not yet decoding (not sent, or waiting in a server's queue: beyond the requests
-    its /metrics says run), and those decoding, each with what it has generated (its time since
-    it was sent × its GPU's decode speed per request: the server's generation throughput over
-    its running requests, else the job's measured speed there). The fleet's rate is what it
+    its /metrics says run), and those decoding, each with what it has generated (what it held
+    when sent, a generation going on from a round or a move, plus its time since then × its
+    GPU's decode speed per request: the server's generation throughput over its running
+    requests, else the job's measured speed there). The fleet's rate is what it
     generates now, each GPU's speed × its requests decoding: the output tokens of the requests
     that ended in the window lag it by a request's length, most at the start, when only the
     short ones have ended. A job of conversations counts replies (eta_by_requests). (None,
@@ -256,17 +267,22 @@ def token_eta(reads: Reads, left: int) -> tuple[float | None, float | None]:
         speed_class = _speed_class(speed)
         waiting[speed_class] = waiting.get(speed_class, 0) + len(sent) - len(decoding)
         by_speed.setdefault(speed_class, []).extend(
-            min(cap, max(0.0, reads.now - at) * speed) for at in decoding)
+            min(cap, held + max(0.0, reads.now - at) * speed) for at, held in decoding)
     in_flight = {speed: eta.censored_buckets(so_far, cap) for speed, so_far in by_speed.items()}
-    decoding_so_far = eta.censored_buckets([g for v in by_speed.values() for g in v], cap)
-    mass = eta.length_distribution(finished, decoding_so_far, cap)
-    unsent = max(0, left - sum(reads.in_flight_set.values()))
-    tokens = eta.tokens_left(mass, unsent + sum(waiting.values()), decoding_so_far)
+    # every output known to be longer than it is: decoding, or paused between rounds
+    paused = eta.censored_buckets(reads.paused, cap)
+    censored = eta.censored_buckets([g for v in by_speed.values() for g in v] + reads.paused, cap)
+    mass = eta.length_distribution(finished, censored, cap)
+    unsent = max(0, left - sum(reads.in_flight_set.values()) - len(reads.paused))
+    tokens = eta.tokens_left(mass, unsent + sum(waiting.values()), censored)
     rate = sum(speed * len(so_far) for speed, so_far in by_speed.items()) \
         or per_second(reads, "t")
     if rate <= 0:
         return None, tokens
-    return round(eta.seconds_left(mass, unsent, in_flight, rate, waiting) / 3600, 4), tokens
+    # The end game moves a generation from a GPU measurably slower than the fastest (take.lua).
+    moved_below = max(in_flight) / s.endgame_faster_ratio
+    return round(eta.seconds_left(mass, unsent, in_flight, rate, waiting, moved_below,
+                                  paused) / 3600, 4), tokens
 
 
 def _speed_class(speed: float) -> float:
@@ -391,7 +407,7 @@ def render(reads: Reads, s: Settings) -> dict:
     completed, left = count(reads, "completed"), remaining(reads)
     in_tokens, out_tokens = count(reads, "input_tokens"), count(reads, "output_tokens")
     rate = per_second(reads, "c")
-    hours_left, tokens_left = token_eta(reads, left)
+    hours_left, tokens_left = token_eta(reads, left, s)
     finish_reasons = tally(reads, "finish")
     lat_n = count(reads, "latency_n")
     err = reads.storage_error

@@ -508,7 +508,8 @@ def _hand_over(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState,
     else:
         frame = state.bare_entry or encode_messages(state.messages)
     if not durable("handing the generation over", window.hand_over, book.r, job, prompt_id, gpu,
-                   target, frame, len(part.ids), state.entry_digest):
+                   target, frame, len(part.ids), state.entry_digest,
+                   held=grown.generated if params.continuable else 0):
         return {"id": prompt_id, "skipped": "no longer in flight here: not handed over"}
     _drop_handed_on(job, state)
     runtime().settings.failpoint("generate.after_hand_over")
@@ -534,7 +535,7 @@ def _next_round(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState, gr
     tokens = len(made.ids) if made is not None else 0
     if not durable("handing the generation to its next round", window.next_round,
                    runtime().book.r, job, prompt_id, gpu, _entry(job, state.messages, grown, state),
-                   tokens, state.entry_digest):
+                   tokens, state.entry_digest, held=grown.generated):
         return {"id": prompt_id, "skipped": "no longer in flight here: not handed on"}
     _drop_handed_on(job, state)
     return {"id": prompt_id, "next_round": True, "tokens": tokens}
@@ -554,7 +555,7 @@ def _next_turn(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState,
                    runtime().book.r, job, prompt_id, gpu,
                    _entry(job, state.messages, None, state, turns), tokens, state.entry_digest,
                    front=not window.in_rounds(get_settings(), state.pending, _slots(state)),
-                   turn=True):
+                   turn=True, held=0):
         return {"id": prompt_id, "skipped": "no longer in flight here: not handed on"}
     _drop_handed_on(job, state)
     return {"id": prompt_id, "next_turn": len(turns), "tokens": tokens}

@@ -6,11 +6,12 @@
 -- still this one, the prompt is still in flight where it was and its entry is still the one the
 -- aborted request started from: one recalled, done or deleted meanwhile is left as it is, and
 -- its row is recorded once whatever arrives.
---- keys: migrating inflight_source inflight_target prompts pending counters config rate
---- args: id entry source target tokens started_from rate_bucket_s
+--- keys: migrating inflight_source inflight_target prompts pending counters config rate going_on
+--- args: id entry source target tokens started_from rate_bucket_s held
 -- inflight_target is not touched without a target; target: '' for pending; tokens: what was
 -- generated on source (counted in the rates now, when it was made); started_from: the SHA-1 of
--- the entry the request's task read. Returns 1 when it moved, 0 otherwise.
+-- the entry the request's task read; held: the tokens the generation goes on from (0: it starts
+-- over). Returns 1 when it moved, 0 otherwise.
 if redis.call('EXISTS', config) == 0 then
   return 0
 end
@@ -28,6 +29,11 @@ if redis.call('ZREM', inflight_source, id) == 0 then
   return 0
 end
 redis.call('HSET', prompts, id, entry)
+if tonumber(held) > 0 then
+  redis.call('HSET', going_on, id, held)
+else
+  redis.call('HDEL', going_on, id)
+end
 if target == '' then
   redis.call('LPUSH', pending, id)
 else

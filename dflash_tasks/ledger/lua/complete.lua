@@ -1,6 +1,6 @@
 -- Record a finished prompt exactly once: done mark, counters and output row in one atomic step,
 -- so the counters always equal what the output holds, whatever is delivered twice.
---- keys: done inflight prompts failed counters rate output pending config gpus ended speed superseding superseded
+--- keys: done inflight prompts failed counters rate output pending config gpus ended speed superseding superseded going_on
 --- args: id row input_tokens output_tokens finish_reason gpu rate_bucket_s hist_bucket inflight_prefix prompt tokens_per_s speed_weight shares made looping
 --- uses: elsewhere shares
 -- inflight: the GPU's; ended: the index of rows that ended finish_reason. prompt: its messages as
@@ -23,6 +23,7 @@ if redis.call('SADD', done, id) == 0 then
   return 0
 end
 redis.call('HDEL', prompts, id)
+redis.call('HDEL', going_on, id)
 if redis.call('HDEL', failed, id) == 1 then
   redis.call('HINCRBY', counters, 'failed', -1)
 elseif was_here == 0 then
