@@ -474,8 +474,8 @@ class SimServer:
                 else:
                     self.hold_after -= 1
             self.held += 1
-            try:
-                await self.answering.wait()  # /sim/hold (an abort is answered at once, as SGLang does)
+            try:  # /sim/hold (an abort is answered at once, as SGLang does)
+                await self.answering.wait()
             finally:
                 self.held -= 1
         if outcome == "killed":

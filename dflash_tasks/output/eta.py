@@ -128,7 +128,8 @@ def seconds_left(mass: list[tuple[float, float]], unsent: int,
         full_run = tokens_left(mass, unsent + sum(waiting.values()),
                                _merged({**in_flight, -1.0: paused})) - at_end
         return max(0.0, full_run) / rate + _expected_max(_by_speed(
-            (end_speed(speed), n, lambda r, d=shift[speed]: _residual_after_queue(mass, mean, r - d))
+            (end_speed(speed), n,
+             lambda r, d=shift[speed]: _residual_after_queue(mass, mean, r - d))
             for speed, n in slots.items() if n))
     return _expected_max(_by_speed(
         (end_speed(speed), n, lambda r, edge=bucket, g=so_far / n, d=shift.get(speed, 0):

@@ -89,7 +89,8 @@ class Reads:
     in_flight_set: dict[str, int]    # GPU -> its in-flight set's size, retries waiting included
     sent_at: dict[str, list[tuple[float, int]]]  # GPU -> (the Redis time each prompt in flight
     # was sent, the output tokens its generation held then: a round's or a move's, going_on)
-    paused: list[int]                # the tokens of each generation in pending going on from a round
+    paused: list[int]                # the tokens of each generation paused in pending between
+    # rounds (going_on, not in flight)
     speeds: dict[str, float]         # GPU -> its requests' output tokens/s (complete.lua)
     retry_waiting: dict[str, int]    # GPU -> retries waiting for their ETA in a worker
     workers: dict[str, dict]         # GPU -> the worker's registration
