@@ -9,8 +9,10 @@ import time
 
 import redis
 from conftest import Cluster
-from failure_support import check_books, dataset, prompts
+from failure_support import check_books, counters, dataset, prompts
 from support import AofRedis, wait_until
+
+from dflash_tasks.core.keys import JobName
 
 
 def test_redis_restart_while_retries_wait_recovers_in_seconds_with_the_deployed_settings(aof_redis, tmp_path):
@@ -28,8 +30,21 @@ def test_redis_restart_while_retries_wait_recovers_in_seconds_with_the_deployed_
         rows = prompts(600)
         c.manage("enqueue", "--dataset", str(dataset(tmp_path, rows)), "--job", "redis",
                  "--max-output-tokens", "2048")
-        wait_until(lambda: (s := c.status("redis"))["completed"] >= 150 and s["retry_waiting"] > 0,
-                   timeout=180, interval=0.2, what="150 completions and retries waiting")
+        # Crashed while a retry waits in the worker for a second more at least, noted more than
+        # appendfsync's second before (its unacknowledged message on disk): read from Redis just
+        # before the crash (one seen through `status` could have run meanwhile, leaving nothing
+        # for the reconnect to restore).
+        job = JobName("redis")
+
+        def retry_waiting_on_disk() -> bool:
+            now = time.time()
+            later = c.r.zrangebyscore(job.retrying(c.gpu(0)), now + 1.0, "+inf")
+            noted = c.r.zmscore(job.inflight(c.gpu(0)), later) if later else []
+            return any(at is not None and at <= now - 1.5 for at in noted)
+
+        wait_until(lambda: counters(c, "redis").get("completed", 0) >= 150
+                   and retry_waiting_on_disk(),
+                   timeout=180, interval=0.02, what="150 completions and a retry waiting")
 
         done_before = c.r.scard("dflash:{redis}:done")
         aof_redis.crash()
