@@ -25,12 +25,17 @@ BUCKET = 64  # the ledger's histogram resolution (ledger.HIST_BUCKET_TOKENS)
 
 def censored_buckets(in_flight_so_far: Iterable[float], cap: int) -> dict[int, tuple[int, float]]:
     """The outputs in flight by the bucket they have reached: {bucket: (count, tokens so far)}."""
+    return censored_counted(((tokens, 1) for tokens in in_flight_so_far), cap)
+
+
+def censored_counted(so_far: Iterable[tuple[float, int]], cap: int) -> dict[int, tuple[int, float]]:
+    """censored_buckets of (tokens so far, how many outputs have that many)."""
     found: dict[int, tuple[int, float]] = {}
-    for tokens in in_flight_so_far:
+    for tokens, count in so_far:
         tokens = min(tokens, cap)
         bucket = int(tokens) // BUCKET * BUCKET
         n, total = found.get(bucket, (0, 0.0))
-        found[bucket] = (n + 1, total + tokens)
+        found[bucket] = (n + count, total + tokens * count)
     return found
 
 

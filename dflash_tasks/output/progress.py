@@ -39,6 +39,7 @@ from dflash_tasks.core.keys import (
     GpuName,
     JobName,
 )
+from dflash_tasks.core.scripts import Script
 from dflash_tasks.core.settings import Settings
 from dflash_tasks.ledger import truncated_split
 from dflash_tasks.ledger.histogram import length_percentile, nearest_rank
@@ -47,6 +48,8 @@ from dflash_tasks.output.batches import latency_bucket_ms
 from dflash_tasks.output.storage import Storage, StorageNotFound
 
 RATE_BUCKET_S = 10  # the ledger's completion buckets (complete.lua)
+IN_FLIGHT_AGES = Script(__file__, "in_flight_ages")
+GOING_ON_COUNTS = Script(__file__, "going_on_counts")
 ALIVE_PERIODS = 3   # a GPU worker is alive while its heartbeat is under this many periods old
 
 # The only figures written under two names, each pair in one place: the first name is the
@@ -87,10 +90,10 @@ class Reads:
     pending: int                     # prompts not yet dispatched
     unsealed_rows: int               # rows in the output stream, not yet sealed into a batch
     in_flight_set: dict[str, int]    # GPU -> its in-flight set's size, retries waiting included
-    sent_at: dict[str, list[tuple[float, int]]]  # GPU -> (the Redis time each prompt in flight
-    # was sent, the output tokens its generation held then: a round's or a move's, going_on)
-    paused: list[int]                # the tokens of each generation paused in pending between
-    # rounds (going_on, not in flight)
+    sent_at: dict[str, list[tuple[float, int, int]]]  # GPU -> (the Redis second prompts in
+    # flight were sent, the output tokens their generation held then: a round's or a move's,
+    # going_on; how many), oldest first (in_flight_ages.lua)
+    paused: dict[int, int]           # tokens held -> generations paused in pending between rounds
     speeds: dict[str, float]         # GPU -> its requests' output tokens/s (complete.lua)
     retry_waiting: dict[str, int]    # GPU -> retries waiting for their ETA in a worker
     workers: dict[str, dict]         # GPU -> the worker's registration
@@ -104,6 +107,12 @@ class Reads:
     memory_hold: dict | None         # Redis's memory hold, for every job; None: none
     quality: dict | None             # the quality monitor's last figures
     updated_at: float                # the wall clock when read
+
+
+def _triples(flat: list, pairs: bool = False) -> list[tuple[int, ...]]:
+    """A script's flat list of integers, in threes (or twos)."""
+    size = 2 if pairs else 3
+    return [tuple(int(v) for v in flat[i:i + size]) for i in range(0, len(flat) - size + 1, size)]
 
 
 class _NamedMulti:
@@ -156,20 +165,24 @@ def read(r: redis.Redis, name: JobName, s: Settings) -> Reads:
         multi.named(("in_flight", gpu)).zcard(job.name.inflight(gpu))
         # when each was sent, for what it has generated so far (the token ETA: eta.py); at the
         # seed's 300 in flight per GPU, a few KB
-        multi.named(("sent_at", gpu)).zrange(job.name.inflight(gpu), 0, -1, withscores=True)
+        # (counted in Redis: at 64 GPUs x 300 in flight, every id and score read here cost the
+        # snapshot ten times its own time)
+        IN_FLIGHT_AGES(multi.named(("sent_at", gpu)), inflight=job.name.inflight(gpu),
+                       going_on=job.name.going_on)
         multi.named(("waiting", gpu)).zintercard(
             2, [job.name.inflight(gpu), job.name.retrying(gpu)])
     # The quality monitor's figures (training/data/monitor.py writes the key) at its last tick.
     multi.named("quality").get(job.name.quality("figures"))
     multi.named("speeds").hgetall(job.name.speed)
-    multi.named("going_on").hlen(job.name.going_on)
+    GOING_ON_COUNTS(multi.named("going_on"), going_on=job.name.going_on)
     got = multi.execute()
-    sent = {gpu: [(m.decode(), at) for m, at in got[("sent_at", gpu)]] for gpu in gpus}
-    # Generations going on from a round or a move, in flight or waiting in pending: the end
-    # game's, ~11.5 per slot at most (benchmarks, case 14), read after the counts.
-    held = {k.decode(): int(v) for k, v in r.hgetall(job.name.going_on).items()} \
-        if got["going_on"] else {}
-    flying = {pid for pairs in sent.values() for pid, _ in pairs}
+    sent = {gpu: sorted(_triples(got[("sent_at", gpu)])) for gpu in gpus}
+    # Generations going on from a round or a move, less those in flight: paused in pending.
+    paused = dict(_triples(got["going_on"], pairs=True))
+    for triples in sent.values():
+        for _, held, count in triples:
+            if held and held in paused:
+                paused[held] -= count
 
     window = dict.fromkeys(series, 0)
     for field, value in zip(rate_keys, got["rate"], strict=True):
@@ -185,8 +198,8 @@ def read(r: redis.Redis, name: JobName, s: Settings) -> Reads:
         pending=got["pending"],
         unsealed_rows=got["unsealed"],
         in_flight_set={gpu: got[("in_flight", gpu)] for gpu in gpus},
-        sent_at={gpu: [(at, held.get(pid, 0)) for pid, at in sent[gpu]] for gpu in gpus},
-        paused=[tokens for pid, tokens in held.items() if pid not in flying],
+        sent_at=sent,
+        paused={held: n for held, n in paused.items() if n > 0},
         speeds={key.decode(): float(v) for key, v in got["speeds"].items()},
         retry_waiting={gpu: got[("waiting", gpu)] for gpu in gpus},
         workers={key.decode(): json.loads(v) for key, v in got["workers"].items()},
@@ -263,20 +276,26 @@ def token_eta(reads: Reads, left: int, s: Settings) -> tuple[float | None, float
         running, generating = server.get("running"), server.get("gen_throughput")
         speed = (generating / running if running and generating
                  else reads.speeds.get(gpu) or sum(known) / len(known))
-        sent = sorted(reads.sent_at[gpu])  # the longest in flight are the ones decoding
-        decoding = sent if running is None else sent[:int(running)]
+        # the longest in flight are the ones decoding (sent_at is oldest first)
+        slots = None if running is None else int(running)
         speed_class = _speed_class(speed)
-        waiting[speed_class] = waiting.get(speed_class, 0) + len(sent) - len(decoding)
-        by_speed.setdefault(speed_class, []).extend(
-            min(cap, held + max(0.0, reads.now - at) * speed) for at, held in decoding)
-    in_flight = {speed: eta.censored_buckets(so_far, cap) for speed, so_far in by_speed.items()}
+        decoding = by_speed.setdefault(speed_class, [])
+        for at, held, count in reads.sent_at[gpu]:
+            taken = count if slots is None else min(count, slots)
+            if taken:
+                decoding.append((min(cap, held + max(0.0, reads.now - at) * speed), taken))
+            waiting[speed_class] = waiting.get(speed_class, 0) + count - taken
+            if slots is not None:
+                slots -= taken
+    in_flight = {speed: eta.censored_counted(so_far, cap) for speed, so_far in by_speed.items()}
     # every output known to be longer than it is: decoding, or paused between rounds
-    paused = eta.censored_buckets(reads.paused, cap)
-    censored = eta.censored_buckets([g for v in by_speed.values() for g in v] + reads.paused, cap)
+    paused = eta.censored_counted(reads.paused.items(), cap)
+    censored = eta.censored_counted(
+        [pair for v in by_speed.values() for pair in v] + list(reads.paused.items()), cap)
     mass = eta.length_distribution(finished, censored, cap)
-    unsent = max(0, left - sum(reads.in_flight_set.values()) - len(reads.paused))
+    unsent = max(0, left - sum(reads.in_flight_set.values()) - sum(reads.paused.values()))
     tokens = eta.tokens_left(mass, unsent + sum(waiting.values()), censored)
-    rate = sum(speed * len(so_far) for speed, so_far in by_speed.items()) \
+    rate = sum(speed * sum(n for _, n in so_far) for speed, so_far in by_speed.items()) \
         or per_second(reads, "t")
     if rate <= 0:
         return None, tokens
