@@ -90,7 +90,7 @@ def test_every_script_loads_and_each_call_names_exactly_its_keys_and_arguments()
 
     scripts = {}
     for module in ("dflash_tasks.core.jobs", "dflash_tasks.ledger", "dflash_tasks.dispatch.window",
-                   "dflash_tasks.output.sealing",
+                   "dflash_tasks.output.sealing", "dflash_tasks.output.progress",
                    "dflash_tasks.worker.heartbeat", "dflash_tasks.training.queue.runs"):
         for value in vars(importlib.import_module(module)).values():
             if isinstance(value, Script):
