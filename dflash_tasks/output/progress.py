@@ -176,7 +176,7 @@ def read(r: redis.Redis, name: JobName, s: Settings) -> Reads:
     multi.named("speeds").hgetall(job.name.speed)
     GOING_ON_COUNTS(multi.named("going_on"), going_on=job.name.going_on)
     got = multi.execute()
-    sent = {gpu: sorted(_triples(got[("sent_at", gpu)])) for gpu in gpus}
+    sent = {gpu: _triples(got[("sent_at", gpu)]) for gpu in gpus}  # oldest first, as ZRANGE
     # Generations going on from a round or a move, less those in flight: paused in pending.
     paused = dict(_triples(got["going_on"], pairs=True))
     for triples in sent.values():
