@@ -188,7 +188,11 @@ def fleet_case(work: Path, gpus: int = 64, in_flight: int = 300) -> dict:
             pipe.hset(WORKERS, gpu, json.dumps({"concurrency": in_flight, "hostname": gpu}))
             pipe.hset(WORKERS_SEEN, gpu, now + 3600)  # alive for the whole case
             pipe.sadd(k.gpus, gpu)
-            pipe.zadd(k.inflight(gpu), {f"p{g}-{i}": now for i in range(in_flight)})
+            # sent over the last few minutes, a request every 0.7 s (a GPU's 300 slots turning
+            # over), and every tenth a generation going on from a round or a move
+            pipe.zadd(k.inflight(gpu), {f"p{g}-{i}": now - 0.7 * i for i in range(in_flight)})
+            pipe.hset(k.going_on, mapping={f"p{g}-{i}": 4096 + 37 * i
+                                           for i in range(0, in_flight, 10)})
             pipe.zadd(k.retrying(gpu), {f"p{g}-{i}": now + 600 for i in range(0, in_flight, 50)})
         pipe.execute()
         figures = {}

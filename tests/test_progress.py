@@ -193,6 +193,41 @@ def test_a_conversation_jobs_eta_counts_its_replies_from_the_first_minutes(r):
     assert snap["eta_hours"] == pytest.approx(99 * 5 / (41 / span) / 3600, rel=0.02)
 
 
+def test_the_prompts_in_flight_are_read_in_strata_of_age_past_a_few(r):
+    """A GPU's prompts in flight, read for the token ETA: one by one up to IN_FLIGHT_STRATA, past
+    it in as many strata of consecutive ages, each counted whole at its middle prompt's age and
+    tokens held: every prompt counted once, oldest first, each stratum's age inside its own
+    prompts' span (the snapshot costs the same at 300 in flight as at 16)."""
+    from dflash_tasks.output.progress import IN_FLIGHT_STRATA, read
+
+    _job(r, "ages", 10)
+    k = JobName("ages")
+    now = int(r.time()[0])
+    sent = {f"q{i}": now - 2 * i for i in range(300)}  # q0 the newest
+    r.zadd(k.inflight(_gpu(0)), sent)
+    r.zadd(k.inflight(_gpu(1)), {f"s{i}": now - i for i in range(5)})
+    # every 10th prompt in flight on gpu0 goes on from a round (as 30 of 300), one on gpu1, and
+    # 60 are paused in pending between rounds
+    r.hset(k.going_on, mapping={**{f"q{i}": 4096 + i for i in range(0, 300, 10)}, "s3": 4200,
+                                **{f"w{i}": 4100 for i in range(60)}})
+    reads = read(r, k, _settings())
+    many, few = reads.sent_at[_gpu(0)], reads.sent_at[_gpu(1)]
+    assert sum(n for _, _, n in many) == 300 and len(many) == IN_FLIGHT_STRATA
+    assert [at for at, _, _ in many] == sorted(at for at, _, _ in many)  # oldest first
+    first = 0
+    for at, held, n in many:  # ranks first..first+n-1 of the oldest-first order
+        ages = [2 * (299 - rank) for rank in range(first, first + n)]
+        assert min(ages) <= now - at <= max(ages), (at, n)
+        assert held in (0, 4096 + (now - at) // 2), (at, held)  # its middle prompt's
+        first += n
+    assert few == [(now - 4, 0, 1), (now - 3, 4200, 1), (now - 2, 0, 1), (now - 1, 0, 1),
+                   (now, 0, 1)]
+    # the paused: as many as the sample leaves of the 91 going on, spread like them
+    moving = sum(n for _, held, n in many + few if held)
+    assert sum(reads.paused.values()) == pytest.approx(91 - moving)
+    assert sum(reads.paused.values()) <= 90  # s3, read one by one, never counted paused
+
+
 def test_old_rate_buckets_are_pruned(r):
     from dflash_tasks.output.progress import RATE_BUCKET_S, prune_rate
 

@@ -48,8 +48,12 @@ from dflash_tasks.output.batches import latency_bucket_ms
 from dflash_tasks.output.storage import Storage, StorageNotFound
 
 RATE_BUCKET_S = 10  # the ledger's completion buckets (complete.lua)
+# The prompts in flight on a GPU read one by one for the token ETA; more are read in as many
+# strata of age (in_flight_ages.lua), so the snapshot costs the same at any depth.
+IN_FLIGHT_STRATA = 16
 IN_FLIGHT_AGES = Script(__file__, "in_flight_ages")
 GOING_ON_COUNTS = Script(__file__, "going_on_counts")
+RATE_WINDOW = Script(__file__, "rate_window")
 ALIVE_PERIODS = 3   # a GPU worker is alive while its heartbeat is under this many periods old
 
 # The only figures written under two names, each pair in one place: the first name is the
@@ -92,8 +96,9 @@ class Reads:
     in_flight_set: dict[str, int]    # GPU -> its in-flight set's size, retries waiting included
     sent_at: dict[str, list[tuple[float, int, int]]]  # GPU -> (the Redis second prompts in
     # flight were sent, the output tokens their generation held then: a round's or a move's,
-    # going_on; how many), oldest first (in_flight_ages.lua)
-    paused: dict[int, int]           # tokens held -> generations paused in pending between rounds
+    # going_on; how many), oldest first (in_flight_ages.lua: past IN_FLIGHT_STRATA, strata)
+    paused: dict[int, float]         # tokens held (to eta.BUCKET) -> generations paused in
+    # pending between rounds (estimated: in_flight_ages)
     speeds: dict[str, float]         # GPU -> its requests' output tokens/s (complete.lua)
     retry_waiting: dict[str, int]    # GPU -> retries waiting for their ETA in a worker
     workers: dict[str, dict]         # GPU -> the worker's registration
@@ -107,6 +112,11 @@ class Reads:
     memory_hold: dict | None         # Redis's memory hold, for every job; None: none
     quality: dict | None             # the quality monitor's last figures
     updated_at: float                # the wall clock when read
+
+
+def _held_bucket(held: int) -> int:
+    """The middle of held's 64-token bucket (eta.BUCKET): what a paused generation counts as."""
+    return held // eta.BUCKET * eta.BUCKET + eta.BUCKET // 2
 
 
 def _triples(flat: list, pairs: bool = False) -> list[tuple[int, ...]]:
@@ -141,13 +151,13 @@ def read(r: redis.Redis, name: JobName, s: Settings) -> Reads:
     buckets = range(int(window_start - window_start % RATE_BUCKET_S), int(now) + 1, RATE_BUCKET_S)
     gpus = dispatch.job_gpus(r, job)
     series = rate_series(gpus)
-    rate_keys = [f"{one}:{bucket}" for one in series for bucket in buckets]
 
     multi = _NamedMulti(r)
     multi.named("counters").hgetall(job.name.counters)
     multi.named("pending").llen(job.name.pending)
     multi.named("unsealed").xlen(job.name.output)
-    multi.named("rate").hmget(job.name.rate, rate_keys)
+    RATE_WINDOW(multi.named("rate"), rate=job.name.rate, first_bucket=buckets[0],
+                last_bucket=buckets[-1], bucket_s=RATE_BUCKET_S, series=series)
     multi.named("workers").hgetall(WORKERS)
     multi.named("sealing").get(job.name.sealing)
     multi.named("storage_error").hgetall(job.name.storage_error)
@@ -168,7 +178,7 @@ def read(r: redis.Redis, name: JobName, s: Settings) -> Reads:
         # (counted in Redis: at 64 GPUs x 300 in flight, every id and score read here cost the
         # snapshot ten times its own time)
         IN_FLIGHT_AGES(multi.named(("sent_at", gpu)), inflight=job.name.inflight(gpu),
-                       going_on=job.name.going_on)
+                       going_on=job.name.going_on, strata=IN_FLIGHT_STRATA)
         multi.named(("waiting", gpu)).zintercard(
             2, [job.name.inflight(gpu), job.name.retrying(gpu)])
     # The quality monitor's figures (training/data/monitor.py writes the key) at its last tick.
@@ -177,16 +187,17 @@ def read(r: redis.Redis, name: JobName, s: Settings) -> Reads:
     GOING_ON_COUNTS(multi.named("going_on"), going_on=job.name.going_on)
     got = multi.execute()
     sent = {gpu: _triples(got[("sent_at", gpu)]) for gpu in gpus}  # oldest first, as ZRANGE
-    # Generations going on from a round or a move, less those in flight: paused in pending.
-    paused = dict(_triples(got["going_on"], pairs=True))
-    for triples in sent.values():
-        for _, held, count in triples:
-            if held and held in paused:
-                paused[held] -= count
+    # Generations going on from a round or a move, less those in flight: paused in pending. The
+    # ones in flight are known by in_flight_ages' strata, a sample: the paused are as many as the
+    # sample leaves, spread like all those going on, by the ETA's 64-token bucket.
+    going_on: dict[int, int] = {}
+    for held, count in _triples(got["going_on"], pairs=True):
+        going_on[_held_bucket(held)] = going_on.get(_held_bucket(held), 0) + count
+    moving = sum(count for triples in sent.values() for _, held, count in triples if held)
+    share = max(0, sum(going_on.values()) - moving) / max(1, sum(going_on.values()))
+    paused = {held: count * share for held, count in going_on.items()}
 
-    window = dict.fromkeys(series, 0)
-    for field, value in zip(rate_keys, got["rate"], strict=True):
-        window[field.rsplit(":", 1)[0]] += int(value or 0)
+    window = dict(zip(series, got["rate"], strict=True))
     sealing, beat_seen, quality = got["sealing"], got["beat_seen"], got["quality"]
     return Reads(
         job=job,
@@ -302,7 +313,7 @@ def token_eta(reads: Reads, left: int, s: Settings) -> tuple[float | None, float
     # The end game moves a generation from a GPU measurably slower than the fastest (take.lua).
     moved_below = max(in_flight) / s.endgame_faster_ratio
     return round(eta.seconds_left(mass, unsent, in_flight, rate, waiting, moved_below,
-                                  paused) / 3600, 4), tokens
+                                  paused) / 3600, 5), tokens
 
 
 def _speed_class(speed: float) -> float:
@@ -320,7 +331,7 @@ def eta_by_requests(reads: Reads, left: int, rate: float) -> float | None:
         return None
     if reads.job.turns == "all" and reads.job.replies_per_prompt:
         left, rate = left * reads.job.replies_per_prompt, rate + per_second(reads, "r")
-    return round(left / rate / 3600, 4) if rate > 0 else None
+    return round(left / rate / 3600, 5) if rate > 0 else None
 
 
 def remaining(reads: Reads) -> int:
