@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-specforge.txt pyproject.toml
+$(STAMP): requirements.txt requirements-specforge.txt requirements-lowest.txt pyproject.toml
 	@echo "== make install: a virtual environment in $(VENV) (about 1.5 minutes the first time)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -21,6 +21,9 @@ $(STAMP): requirements.txt requirements-specforge.txt pyproject.toml
 	       $(PY) -m pip install --progress-bar on -e '.[dev]'; }
 	@echo "== SpecForge, without its own pins (requirements-specforge.txt says why)"
 	$(PY) -m pip install --quiet --no-deps -r requirements-specforge.txt
+	@echo "== the lowest transformers declared, beside it (requirements-lowest.txt says why)"
+	rm -rf $(VENV)/lowest-transformers
+	$(PY) -m pip install --quiet --no-deps --target $(VENV)/lowest-transformers -r requirements-lowest.txt
 	@echo "== the project itself, editable"
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)

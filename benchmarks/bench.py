@@ -29,6 +29,8 @@ decode speed, the real run's output-length distribution), all started here as pr
    texts in Redis and on storage                                       goal < 200 MB on storage
 18. the ETA on a run of the seed's shape (18% at a 4,096 cap, one server 1.5x slower): its error
    against the time left, from 10% of the run on (benchmarks/eta_run.py)  goal <= 10%
+19. the peak memory of one reference training step on an 8,192-token row, the loss over the
+   vocabulary in chunks against at once (benchmarks/train_memory.py)     goal <= 0.25x
 
 Cases 1-3 run the project and the baseline (benchmarks/baseline.py: one asyncio process, a static
 round-robin split, a semaphore per server) at the same time, each on its own four servers, so both
@@ -68,6 +70,7 @@ from benchmarks import (  # noqa: E402
     profile,
     report,
     seed_run,
+    train_memory,
 )
 from dflash_dev.local import LocalCluster, free_port, wait_until  # noqa: E402
 from dflash_tasks.core.keys import JobName  # noqa: E402
@@ -75,7 +78,7 @@ from dflash_tasks.core.settings import Settings  # noqa: E402
 from dflash_tasks.ingest.prompts import read_prompts  # noqa: E402
 
 README = ROOT / "README.md"
-DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12,13,14,15,16,17,18"
+DEFAULT_CASES = "1,2,4,5,6,7,8,10,11,12,13,14,15,16,17,18,19"
 CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path(tempfile.gettempdir()) / "dflash-bench"))
 
 
@@ -686,6 +689,8 @@ def main() -> None:
             dataset = data.cached_dataset(cfg.eta_prompts, CACHE, seed=29)
             results["case18"] = eta_run.eta_case(work, dataset, cfg.eta_prompts, cfg.servers,
                                                  cfg.slow_factor)
+        if "19" in cases:
+            results["case19"] = train_memory.memory_case()
     finally:
         results["bench_wall_s"] = time.monotonic() - started
         (work / "results.json").write_text(json.dumps(results, indent=1))

@@ -209,6 +209,15 @@ def _seed_rows(res: dict) -> list[tuple]:
             _pct_or_none(c18["eta_max_error"]) + " (token ETA)",
             _pct_or_none(c18["by_requests_max_error"]) + " (request-rate formula)",
             c18["eta_max_error"] is not None and c18["eta_max_error"] <= 0.10))
+    if c19 := res.get("case19"):
+        at_once, chunked = c19["scaled"]["0"]["qwen3_bytes"], c19["scaled"][str(c19["chunk"])]["qwen3_bytes"]
+        rows.append((
+            "19", f"peak memory of one reference training step on an {c19['row']:,}-token row"
+                  f" ({c19['anchors']} anchors x {c19['block']}-token blocks), Qwen3's 151,936"
+                  " vocabulary (scaled from two measured): the loss in chunks of"
+                  f" {c19['chunk']:,} positions / over every position at once", "≤ 0.25x",
+            f"{at_once and chunked / at_once:.2f}x ({chunked / GB:.2f} GB)",
+            f"{at_once / GB:.2f} GB (at once)", chunked <= 0.25 * at_once))
     if c16 := res.get("case16"):
         rows.append((
             "16", f"{c16['conversations']:,} conversations of {c16['turns']} turns, every reply"
@@ -513,6 +522,24 @@ def _seed_measured(res: dict) -> list[str]:
             f" {_pct_or_none(c18['eta_max_error'])}; the request-rate formula"
             f" (`eta_hours_by_requests`) {_pct_or_none(c18['by_requests_median_error'])} and"
             f" {_pct_or_none(c18['by_requests_max_error'])}.",
+            ""]
+    if c19 := res.get("case19"):
+        measured = "; ".join(
+            f"vocabulary {m['vocab']:,}, " + ("at once" if not m["chunk"] else f"chunks of {m['chunk']:,}")
+            + f": {m['step_peak_bytes'] / GB:.2f} GB" for m in c19["measured"])
+        per_vocab = {k: v["per_vocab_bytes"] for k, v in c19["scaled"].items()}
+        out += [
+            f"- **Case 19.** One step of the reference trainer (`trainer._Run.step`, the loss"
+            f" through `blocks.chunked_block_loss`) on one row of {c19['row']:,} tokens (200 of"
+            f" prompt), {c19['anchors']} anchors of {c19['block']}-token blocks, a tiny Qwen3"
+            " target (hidden 64, 4 layers) built at two vocabulary sizes, each in a process of"
+            " its own (benchmarks/train_memory.py): the process's peak resident memory less its"
+            f" memory before the step. Measured: {measured}. What grows with the vocabulary (the"
+            " logits, their softmax and gradient) is"
+            f" {per_vocab['0'] / 1e3:,.1f} KB per vocabulary entry at once and"
+            f" {per_vocab[str(c19['chunk'])] / 1e3:,.1f} KB in chunks; the rest (the drafter's"
+            " attention over 8,192 block positions and the row, the target's states) does not"
+            " depend on it. Scaled linearly to 151,936 entries.",
             ""]
     if c16 := res.get("case16"):
         m, s = c16["multi"], c16["single"]

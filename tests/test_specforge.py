@@ -119,7 +119,7 @@ def test_the_default_path_hands_specforge_exactly_the_projects_ids_and_mask(
     by_id = {r["id"]: r for r in rows}
 
     # The run config the command trainer writes points SpecForge's loader at that file ...
-    config = write(run_config({**spec.COMMAND_DEFAULTS, "target_model": "/models/Qwen3-8B"},
+    config = write(run_config({**spec.COMMAND_DEFAULTS, "target_model": "/models/Qwen3-8B", "max_length": 8192},
                               fmt="specforge-tokenized", data_path=out.path,
                               output_dir=tmp_path / "ckpt", work_dir=tmp_path / "sf",
                               run_id="r-a1"), tmp_path / "specforge.json")
@@ -175,7 +175,7 @@ def test_the_conversations_path_differs_by_exactly_the_named_differences(
         {(s, status) for s in SHAPES for status in ("success", "truncated")}
     chat_template = template_for("auto", dict(out.thinking))
     assert chat_template == ("qwen3-thinking" if thinking else "qwen3-instruct")
-    config = run_config({**spec.COMMAND_DEFAULTS, "target_model": "/m"},
+    config = run_config({**spec.COMMAND_DEFAULTS, "target_model": "/m", "max_length": 8192},
                         fmt="specforge-conversations", data_path=out.path,
                         output_dir=tmp_path / "c", work_dir=tmp_path / "w", run_id="r",
                         chat_template=chat_template)

@@ -156,7 +156,7 @@ def test_the_gate_refuses_a_run_whose_rules_keep_no_row(tmp_path):
     loose = Thresholds(max_truncated_share=1.0)
     _, failures = validate_job(LocalStorage(tmp_path), "cut", Rules(), loose)
     assert failures == ["too few rows kept: the rules keep 0 of 12 rows (at least 1 needed); "
-                        "dropped: truncated 12 (rules: min_loss_tokens 32, max_length 16,384, "
+                        "dropped: truncated 12 (rules: min_loss_tokens 32, max_length none, "
                         "keep_truncated false)"]
     _, failures = validate_job(LocalStorage(tmp_path), "cut", Rules(keep_truncated=True), loose)
     assert failures == []

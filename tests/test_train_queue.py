@@ -191,7 +191,7 @@ def test_validate_and_the_training_gate_give_one_answer(cluster, tmp_path):
     c = cluster(train_templates=node_templates(tmp_path))
     write_batches(c.output_dir, "mixed", [good_row(i) for i in range(200)])
     c.start_train_worker()
-    strict = write_text(tmp_path / "strict.toml", "[rules]\nmax_length = 1500\n")
+    strict = write_text(tmp_path / "strict.toml", "[rules]\nmax_length = 1500\nlong_rows = \"drop\"\n")
     for config, passes in (((), True), (("--config", str(strict)), False)):
         checked = c.manage("validate", "--job", "mixed", "--trainer", "command", "--json", *config,
                            check=False)

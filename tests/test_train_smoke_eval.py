@@ -196,7 +196,44 @@ def test_train_eval_reports_tau_and_acceptance_by_position(tmp_path, checkpoint)
     assert len(by_position) == BLOCK - 1 and by_position == sorted(by_position, reverse=True)
     # every token of every answer but its first (the prefill's) came from one step
     assert report["tokens"] == sum(p["answer_tokens"] - 1 for p in report["per_prompt"])
-    assert report["tau"] == pytest.approx(report["tokens"] / report["steps"])
+    # tau as z-lab's benchmark and SpecForge report it: the mean of the prompts' own; pooled
+    # over every step beside it (issue 43, item 3)
+    assert report["tau"] == pytest.approx(sum(p["tau"] for p in report["per_prompt"]) / 3)
+    assert report["tau_pooled"] == pytest.approx(report["tokens"] / report["steps"])
+    assert "pooled" in done.stdout
+
+
+def test_train_eval_runs_under_the_lowest_transformers_declared(tmp_path, checkpoint):
+    """Both ends of the declared range (issue 43, item 4): train-eval under the floor of
+    pyproject.toml's `transformers>=` (requirements-lowest.txt, which make install puts beside
+    .venv) measures what it measures under the pinned one. It read `out.cache`, which 4.x does
+    not have, and loaded with `dtype=`, which 4.51 took for a config field."""
+    import re
+    import tomllib
+
+    import transformers
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["training"]
+    floor = next(re.fullmatch(r"transformers>=(\S+)", d).group(1) for d in declared
+                 if d.startswith("transformers"))
+    lowest = Path(sys.prefix) / "lowest-transformers"
+    assert (lowest / "transformers").is_dir(), f"{lowest}: make install puts it there"
+    env = {"PYTHONPATH": str(lowest)}
+    version = subprocess.run([sys.executable, "-c", "import transformers; "
+                              "print(transformers.__version__)"], capture_output=True, text=True,
+                             env={**os.environ, **env}, check=True).stdout.strip()
+    assert version == floor != transformers.__version__
+    prompts = write_prompts(tmp_path / "heldout.jsonl")
+    reports = {}
+    for name, extra in (("lowest", env), ("pinned", {})):
+        out = tmp_path / f"{name}.json"
+        done = manage("train-eval", "--checkpoint", str(checkpoint), "--prompts", str(prompts),
+                      "--max-new-tokens", "24", "--no-thinking", "--out", str(out), env=extra)
+        assert done.returncode == 0, (name, done.stdout + done.stderr)
+        reports[name] = json.loads(out.read_text())
+    keys = ("tau", "tau_pooled", "steps", "tokens", "accepted")
+    assert {k: reports["lowest"][k] for k in keys} == {k: reports["pinned"][k] for k in keys}
 
 
 def test_train_eval_refuses_bad_input(tmp_path, checkpoint, redis_url):
@@ -239,6 +276,16 @@ def test_train_eval_of_a_run_checks_the_thinking_mode_of_its_rows(tmp_path, chec
     assert refused.returncode == 1, refused.stderr
     assert "enable_thinking=false, the run's rows are thinking" in refused.stderr
 
+    # a held-out prompt that is one of the job's (its rows' user turn is "w1 w2"): refused, the
+    # drafter has seen the target's answer to it (issue 43, item 3)
+    leaked = tmp_path / "leaked.jsonl"
+    leaked.write_text(write_prompts(tmp_path / "more.jsonl").read_text()
+                      + json.dumps({"id": "h-leak", "prompt": "w1 w2"}) + "\n")
+    refused = manage("train-eval", "--run", run.name, "--prompts", str(leaked), env=env)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "1 of the 4 held-out prompts are prompts of the training job: h-leak (row g00" in \
+        refused.stderr and "memorisation" in refused.stderr, refused.stderr
+
     out = tmp_path / "run-report.json"
     done = manage("train-eval", "--run", run.name, "--out", str(out), env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -263,6 +310,16 @@ def test_the_training_worker_runs_the_smoke_gate_first_and_evaluates_every_check
     c.start_train_worker()
     prompts = write_prompts(tmp_path / "heldout.jsonl")
     train_steps = "max_steps = 20\ncheckpoint_every = 10\nlog_every = 10\n"
+
+    # [eval] holding one of the job's prompts: its quality gate refuses the run (issue 43)
+    leaked = tmp_path / "leaked.jsonl"
+    leaked.write_text(json.dumps({"id": "h-leak", "prompt": "w1 w2"}) + "\n")
+    run = queue_run(c, "--job", JOB, "--config", str(write_config(
+        tmp_path / "leak.toml", target_dir, train_steps + f'[eval]\nprompts = "{leaked}"\n')))
+    refused = wait_run(c, run, ("done", "failed", "refused", "cancelled"), timeout=300)
+    assert refused["status"] == "refused", refused
+    assert any(f.startswith("held-out prompts in the training job: 1 of the [eval] prompts")
+               and "h-leak (row g00" in f for f in refused["gate"]["failures"]), refused["gate"]
 
     # a gate no drafter passes in one step: the run fails before it trains, saying why
     failing = write_config(tmp_path / "fail.toml", target_dir,

@@ -27,6 +27,7 @@ from dflash_tasks.training.reference.blocks import (
     block_attention_mask,
     block_loss,
     build_blocks,
+    chunked_block_loss,
     decay_weights,
     sample_anchors,
 )
@@ -156,6 +157,23 @@ def test_block_mask_labels_and_weights_match_hand_built_ones():
     assert correct.tolist() == [0, 2, 0] and total.tolist() == [0, 2, 1]
 
 
+def test_the_loss_in_chunks_is_the_loss_with_the_same_gradient():
+    """chunked_block_loss (issue 43, item 5): logits made a chunk of positions at a time and made
+    again in the backward pass give block_loss's loss, hits and gradient, for any chunk."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False).requires_grad_(False)
+    hidden = torch.randn(37, 8, requires_grad=True)
+    labels, weights = torch.randint(0, 50, (37,)), torch.rand(37)
+    positions = torch.randint(1, 4, (37,))
+    loss, correct, total = block_loss(head(hidden), labels, weights, positions, 4)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    for chunk in (1, 5, 36, 37, 100):
+        chunked = chunked_block_loss(head, hidden, labels, weights, positions, 4, chunk)
+        torch.testing.assert_close(chunked[0], loss)
+        assert torch.equal(chunked[1], correct) and torch.equal(chunked[2], total)
+        torch.testing.assert_close(torch.autograd.grad(chunked[0], hidden)[0], grad)
+
+
 def test_target_layer_choice():
     assert default_layer_ids(4, 1) == [2]
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # DFlash's choice for Qwen3-8B
@@ -189,9 +207,11 @@ def test_loss_falls_and_the_run_leaves_metrics_and_checkpoints(trained):
     last = result.checkpoints[-1]
     assert sorted(p.name for p in last.iterdir()) == \
         ["config.json", "drafter.safetensors", "training_state.pt"]
-    saved = json.loads((last / "config.json").read_text())
-    assert saved["block_size"] == BLOCK and saved["target_layer_ids"] == [2]
-    assert saved["mask_token_id"] == 151935  # no mask token in the tokenizer: the last row
+    saved = json.loads((last / "config.json").read_text())  # z-lab's DFlash HF config
+    assert saved["architectures"] == ["DFlashDraftModel"] and saved["num_target_layers"] == 4
+    dflash = saved["dflash_config"]
+    assert dflash["block_size"] == BLOCK and dflash["target_layer_ids"] == [2]
+    assert dflash["mask_token_id"] == 151935  # no mask token in the tokenizer: the last row
     from safetensors.torch import load_file
     weights = load_file(str(last / "drafter.safetensors"))
     assert not any("embed" in k or "lm_head" in k for k in weights)  # the target's, not saved
@@ -264,6 +284,53 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, target_d
 
 
 # -- config ---------------------------------------------------------------------------------------
+
+
+def test_rows_longer_than_max_length_are_trained_on_their_first_tokens_and_counted(
+        tmp_path, target_dir, data):
+    """A row longer than max_length is cut, not dropped (issue 43, item 1): the trainer reads its
+    first max_length tokens, as SpecForge does; the gate and the trainer's dataset count the rows
+    cut and the tokens that left out. long_rows = "drop" still drops them, and the gate says so."""
+    from dflash_tasks.output.storage import LocalStorage
+    from dflash_tasks.training.data.exports import validate_job
+    from dflash_tasks.training.data.gate import Rules, Thresholds
+    from dflash_tasks.training.torch_dataset import JobDataset
+
+    root, rows = data
+    lengths = {r["id"]: len(r["token_ids"]["prompt"]) + len(r["token_ids"]["response"])
+               for r in rows}
+    cut_at = sorted(lengths.values())[len(rows) // 2] - 1  # the longer half and more
+    longer = {rid: n for rid, n in lengths.items() if n > cut_at}
+    assert 4 <= len(longer) < len(rows)
+    rules = Rules(min_loss_tokens=8, max_length=cut_at)
+    dataset = JobDataset(JOB, root, rules=rules)
+    samples = {s["id"]: s for s in dataset}
+    assert set(samples) == set(lengths)  # every row, none dropped
+    for r in rows:
+        whole = r["token_ids"]["prompt"] + r["token_ids"]["response"]
+        assert samples[r["id"]]["input_ids"].tolist() == whole[:cut_at]
+        assert samples[r["id"]]["loss_mask"].tolist() == \
+            ([0] * len(r["token_ids"]["prompt"]) + [1] * len(r["token_ids"]["response"]))[:cut_at]
+    left_out = sum(n - cut_at for n in longer.values())
+    assert (dataset.stats["cut"], dataset.stats["cut_tokens"]) == (len(longer), left_out)
+    report, failures = validate_job(LocalStorage(root), JOB, rules, Thresholds())
+    figures = report.figures()
+    assert (figures["kept"], figures["cut_rows"], figures["cut_tokens"]) == \
+        (len(rows), len(longer), left_out)
+    assert figures["over_length"] == len(longer) and failures == []
+    # the trainer trains on them: an epoch's line counts them
+    said: list[str] = []
+    train(config(target_dir, max_length=cut_at, max_steps=100, epochs=1, log_every=2),
+          job=JOB, source=root, run_dir=tmp_path / "run", log=said.append)
+    epoch = next(line for line in said if line.startswith("epoch 0 done"))
+    assert f"'yielded': {len(rows)}" in epoch and f"'cut': {len(longer)}" in epoch, epoch
+    # dropping stays an option
+    drop = Rules(min_loss_tokens=8, max_length=cut_at, long_rows="drop")
+    dropping = JobDataset(JOB, root, rules=drop)
+    assert {s["id"] for s in dropping} == set(lengths) - set(longer)
+    assert dropping.stats["dropped:over_length"] == len(longer) and not dropping.stats["cut"]
+    _, failures = validate_job(LocalStorage(root), JOB, drop, Thresholds())
+    assert any(f.startswith("too long:") and "long_rows" in f for f in failures), failures
 
 
 def test_load_config_names_the_file_and_the_field(tmp_path):

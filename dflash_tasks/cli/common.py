@@ -252,9 +252,14 @@ def rule_options(f=None, *, from_config: bool = False):
                           "a drafter trained on them learns the loop)."
                           + (" [default: [rules] keep_looping, else the trainer's]"
                              if from_config else ""))(f)
-    f = click.option("--max-length", type=click.IntRange(min=1), **default(16384, "max_length"),
-                     help="The training max length: longer rows (input ids) are flagged and "
-                          "dropped.")(f)
+    f = click.option("--max-length", type=click.IntRange(min=2),
+                     **({"default": None, "show_default": "[rules] max_length, else none"}
+                        if from_config else {"default": None, "show_default": "none"}),
+                     help="The training max length: longer rows (input ids) are flagged, and "
+                          "cut or dropped (--long-rows). None: every row whole.")(f)
+    f = click.option("--long-rows", type=click.Choice(["cut", "drop"]), **default("cut", "long_rows"),
+                     help="A row longer than --max-length: cut, trained on its first max-length "
+                          "tokens (as SpecForge does), or drop.")(f)
     f = click.option("--min-loss-tokens", type=click.IntRange(min=0), **default(32, "min_loss_tokens"),
                      help="Rows with fewer loss-mask tokens are flagged and dropped.")(f)
     f = click.option("--tokenizer", type=click.Path(exists=True, file_okay=False, path_type=Path),

@@ -106,8 +106,8 @@ def export(name: JobName, dest: Path, source: str | None, allow_partial: bool, *
 
 
 def export_format(name: JobName, dest: Path, source: str | None, *, fmt: str,
-                  tokenizer: Path | None, min_loss_tokens: int, max_length: int,
-                  keep_truncated: bool, keep_looping: bool) -> None:
+                  tokenizer: Path | None, min_loss_tokens: int, max_length: int | None,
+                  long_rows: str, keep_truncated: bool, keep_looping: bool) -> None:
     """The training formats of `manage.py export`."""
     from dflash_tasks.output.batches import ChecksumMismatch
     from dflash_tasks.output.storage import StorageError
@@ -117,7 +117,7 @@ def export_format(name: JobName, dest: Path, source: str | None, *, fmt: str,
 
     storage = job_storage_from(source, name)
     template = chat_template_option(tokenizer)
-    rules = Rules(min_loss_tokens=min_loss_tokens, max_length=max_length,
+    rules = Rules(min_loss_tokens=min_loss_tokens, max_length=max_length, long_rows=long_rows,
                   keep_truncated=keep_truncated, keep_looping=keep_looping)
     state = shipped_progress(storage, name)
     if state and state.get("status") != "done":

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 from rich.table import Table
+from rich.text import Text
 
 from dflash_tasks.cli.common import JOB, console, err_console, redis_or_fail
 from dflash_tasks.core.keys import JobName
@@ -271,7 +272,11 @@ def train_status(run_name: str | None, job: JobName | None, as_json: bool) -> No
         by_pos = m.get("accuracy_by_position") or [None]
         status = run.status + (f" ({run.get('phase')})" if run.status == runs.RUNNING
                                and run.get("phase") else "")
+        evals = run.get("evals") or []
+        tau = "-" if not evals else "error" if "error" in evals[-1] else \
+            _fmt(evals[-1].get("tau"), ".2f")
         rows.append({"run": run.name, "job": run.job, "trainer": run.trainer, "status": status,
+                     "tau": tau,
                      "step": _fmt(m.get("step")), "loss": _fmt(m.get("loss"), ".4f"),
                      "acc@1": _fmt(by_pos[0], ".3f"), "tokens/s": _fmt(m.get("tokens_per_s"), ",.0f"),
                      "exit": _fmt(run.get("exit_code")), "duration (s)": _fmt(run.get("duration_s"), ".0f"),
@@ -295,7 +300,7 @@ def train_status(run_name: str | None, job: JobName | None, as_json: bool) -> No
 
 # The list's columns, most important first: at a terminal's width the first ones that fit are
 # shown (a run's every field: --run RUN, or --json), rather than every cell cut to "qwe...".
-COLUMNS = ("run", "status", "step", "loss", "acc@1", "updated", "tokens/s", "exit",
+COLUMNS = ("run", "status", "step", "loss", "tau", "acc@1", "updated", "tokens/s", "exit",
            "checkpoints", "job", "trainer", "duration (s)")
 ALWAYS = 4  # run, status, step, loss: shown even when they do not fit (cells then wrap)
 
@@ -346,8 +351,9 @@ def _detail(run, alone: str | None = None) -> None:
             f"after {smoke['steps']} steps" if "tau" in smoke else f": {smoke.get('error')}"))
     for e in run.get("evals") or []:
         name = Path(e["checkpoint"]).name
-        t.add_row("eval " + name, f"error: {e['error']}" if "error" in e else
-                  f"tau {e['tau']:.2f} of {e['block_size']} over {e['prompts']} held-out "
+        t.add_row("eval " + name, Text(f"error: {e['error']}", style="red") if "error" in e else
+                  f"tau {e['tau']:.2f} of {e['block_size']} (pooled "
+                  f"{_fmt(e.get('tau_pooled'), '.2f')}) over {e['prompts']} held-out "
                   f"prompts (T={e['temperature']:g}); by position " + " ".join(
                       f"{a:.2f}" for a in e["acceptance_by_position"] if a is not None))
     m = run.get("metrics")

@@ -75,7 +75,8 @@ def _print(report: dict, out: Path) -> None:
     console.print(table)
     mode = "thinking" if report["enable_thinking"] else "non-thinking"
     console.print(f"tau {report['tau']:.3f} of {report['block_size']} (tokens per verification "
-                  f"step, the bonus token counted): {report['tokens']:,} tokens in "
+                  f"step, the bonus token counted; the mean of the prompts' own), pooled "
+                  f"{report['tau_pooled']:.3f}: {report['tokens']:,} tokens in "
                   f"{report['steps']:,} steps over {report['prompts']} held-out prompts, "
                   f"temperature {report['temperature']:g}, {mode}\nreport: {out}",
                   highlight=False)
@@ -92,7 +93,7 @@ def _print(report: dict, out: Path) -> None:
 @click.option("--max-prompts", type=click.IntRange(min=1), help="Prompts measured.",
               show_default="the [eval] section's, else 32")
 @click.option("--max-new-tokens", type=click.IntRange(min=2), help="Answer cap.",
-              show_default="the [eval] section's, else 256")
+              show_default="the [eval] section's, else 2048 (z-lab's benchmark)")
 @click.option("--temperature", type=click.FloatRange(min=0),
               help="The target's sampling temperature; 0: greedy.",
               show_default="the [eval] section's, else 0")
@@ -135,7 +136,8 @@ def train_eval(run_name: str | None, step: int | None, checkpoint: Path | None,
         reference = run.spec.get("reference") or {}
         try:
             job = JobName(run.job)  # as the run's record in Redis has it
-            rows = list(NewestRows(output_storage(None, job, r), job, limit=64))
+            storage = output_storage(None, job, r)
+            rows = list(NewestRows(storage, job, limit=64))
         except NoManifest as exc:
             raise click.ClickException(f"run {run.name}: its job's rows, for the thinking "
                                        f"contract: {exc}") from None
@@ -148,6 +150,8 @@ def train_eval(run_name: str | None, step: int | None, checkpoint: Path | None,
         mode = heldout.check_thinking_contract(rows or [], settings) if rows is not None \
             else (True if settings.enable_thinking is None else settings.enable_thinking)
         questions = heldout.load_prompts(settings)
+        if run is not None:  # every row of the job, once: none may be a held-out prompt
+            heldout.refuse_training_prompts(questions, NewestRows(storage, job))
     except heldout.EvalError as exc:
         raise click.ClickException(str(exc)) from None
 

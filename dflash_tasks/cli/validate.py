@@ -64,10 +64,20 @@ def _print_report(name: str, where: str, figures: dict, failures: list[str], sta
     t.add_row("looping", f"{figures['looping']:,} rows end in a repetition loop "
                          f"({figures['looping_pct']}%; "
                          + ("kept" if figures["rules"]["keep_looping"] else "dropped") + ")")
-    t.add_row("over max length", f"{figures['over_length']:,} rows over "
-                                 f"{figures['rules']['max_length']:,} (longest "
-                                 f"{figures['max_input_len']:,}; limit "
-                                 f"{100 * th.max_over_length_share:g}%)")
+    if figures["rules"]["max_length"] is None:
+        t.add_row("max length", f"none: every row whole (the longest {figures['max_input_len']:,}"
+                                " tokens)")
+    elif figures["rules"]["long_rows"] == "cut":
+        t.add_row("over max length", f"{figures['over_length']:,} rows over "
+                                     f"{figures['rules']['max_length']:,} (longest "
+                                     f"{figures['max_input_len']:,}): {figures['cut_rows']:,} "
+                                     f"kept are cut to it, {figures['cut_tokens']:,} tokens "
+                                     "left out")
+    else:
+        t.add_row("over max length", f"{figures['over_length']:,} rows over "
+                                     f"{figures['rules']['max_length']:,} (longest "
+                                     f"{figures['max_input_len']:,}), dropped; limit "
+                                     f"{100 * th.max_over_length_share:g}%")
     tc = figures["template_check"]
     if tc:
         t.add_row("template check", f"{tc['compared']:,} rows rendered by --tokenizer: prompt "
@@ -166,7 +176,7 @@ def _the_gate(config: Path | None, trainer: str, rules: dict, limits: dict):
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def validate(name: JobName, source: str | None, config: Path | None, trainer: str,
              tokenizer: Path | None, min_loss_tokens: int | None, max_length: int | None,
-             keep_truncated: bool | None, keep_looping: bool | None, sample: int, compare_rows: int, as_json: bool,
+             long_rows: str | None, keep_truncated: bool | None, keep_looping: bool | None, sample: int, compare_rows: int, as_json: bool,
              **limits) -> None:
     """The quality gate: check a job's shipped rows before training on them. Reports the
     loss-mask distribution (and a spike at one value), empty answers and reasoning, think
@@ -180,6 +190,7 @@ def validate(name: JobName, source: str | None, config: Path | None, trainer: st
 
     rules, th = _the_gate(config, trainer, {"min_loss_tokens": min_loss_tokens,
                                             "max_length": max_length,
+                                            "long_rows": long_rows,
                                             "keep_truncated": keep_truncated,
                                             "keep_looping": keep_looping}, limits)
     storage = job_storage_from(source, name)

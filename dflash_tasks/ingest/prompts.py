@@ -447,6 +447,14 @@ def content_id(messages: list[dict] | tuple[dict, ...]) -> str:
     return "h" + hashlib.blake2b(canonical.encode("utf-8"), digest_size=12).hexdigest()
 
 
+def question_id(messages: list[dict] | tuple[dict, ...]) -> str:
+    """What makes two prompts one question: content_id of their turns other than the
+    assistant's (a row's assistant turns were generated, a dataset's are dropped or replaced), by
+    role and content alone. Held-out prompts are checked against a job's rows with it."""
+    return content_id([{"role": m.get("role"), "content": m.get("content")} for m in messages
+                       if m.get("role") != "assistant"])
+
+
 def _kind(value: Any) -> str:
     if value is None:
         return "null"

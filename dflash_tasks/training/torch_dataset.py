@@ -217,11 +217,16 @@ class JobDataset(IterableDataset):
                 tok = tokenize_row(row, template)
             except TokenizeError:
                 tok = None
-            reason = self.rules.drop_reason(check_row(row, tok, self.rules).flags)
+            check = check_row(row, tok, self.rules)
+            reason = self.rules.drop_reason(check.flags)
             if reason:
                 self.stats[f"dropped:{reason}"] += 1
                 continue
             self.stats["yielded"] += 1
+            if check.cut_tokens:  # longer than max_length: its first max_length tokens
+                tok = self.rules.trained(tok)
+                self.stats["cut"] += 1
+                self.stats["cut_tokens"] += check.cut_tokens
             if not self.tensors:
                 yield {"id": rid, "input_ids": tok.input_ids, "loss_mask": tok.loss_mask}
                 continue

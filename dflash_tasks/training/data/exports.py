@@ -28,9 +28,10 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from dflash_tasks.core.conversation import reply_rows
+from dflash_tasks.ingest.prompts import question_id
 from dflash_tasks.output.storage import Storage
 from dflash_tasks.training.data.gate import REASONS, Report, Rules, Thresholds, check_row
 from dflash_tasks.training.data.reader import NewestRows, job_storage, manifest_records
@@ -110,18 +111,21 @@ def checked_rows(storage: Storage, job: str, report: Report, *, template: ChatTe
         reason = report.add(check, tok)
         if reason is None:  # one mode among the rows trained on; a dropped row teaches nothing
             report.modes.add(row, batch[0])
-        yield Checked(row, tok, reason)
+        yield Checked(row, report.rules.trained(tok), reason)  # a long row cut, as trained
 
 
 def validate_job(storage: Storage, job: str, rules: Rules, thresholds: Thresholds, *,
                  template: ChatTemplate | None = None, sample: int | None = None,
-                 compare_rows: int = 1000,
+                 compare_rows: int = 1000, heldout: Iterable = (),
                  on_batch: Callable[[dict], None] | None = None) -> tuple[Report, list[str]]:
-    """The gate over the job's shipped rows (the newest `sample` rows, when given)."""
+    """The gate over the job's shipped rows (the newest `sample` rows, when given). `heldout`:
+    an evaluation's prompts (ingest Prompt), each a failure when it is one of the rows'."""
     report = Report(rules)
-    for _ in checked_rows(storage, job, report, template=template, compare_rows=compare_rows,
-                          limit=sample, on_batch=on_batch):
-        pass
+    questions = {question_id(p.messages): p.id for p in heldout}
+    for item in checked_rows(storage, job, report, template=template, compare_rows=compare_rows,
+                             limit=sample, on_batch=on_batch):
+        if questions and (held := questions.get(question_id(item.row.get("conversations") or []))):
+            report.heldout_in_job.append((held, str(item.row.get("id"))))
     return report, thresholds.failures(report)
 
 

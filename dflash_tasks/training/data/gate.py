@@ -12,7 +12,9 @@ Per row (`check_row`), the known ways drafter data goes wrong, each a flag:
 - `marker_in_content` / `marker_in_reasoning`: `<think>` or `</think>` leaked into the text
   (a reasoning parser that was off, or a template that re-inserted a think block);
 - `short`: fewer loss tokens than `min_loss_tokens` (the "6 tokens" failure);
-- `over_length`: more input ids than the training max length;
+- `over_length`: more input ids than the training max length: trained on its first max_length
+  tokens, as SpecForge trains such a row (`Rules.long_rows` "cut", the default; the report counts
+  the rows cut and the tokens that left out), or dropped ("drop");
 - `untokenized`: no server ids and no tokenizer to render it (tokenized formats only).
 
 Over a dataset (`Report`), the distribution of loss-mask sums with its most common value (a
@@ -47,11 +49,12 @@ REASONS = {
     "empty_answer": "empty answer (content) in a successful row",
     "empty_reasoning": "empty reasoning_content in a successful thinking-mode row",
     "untokenized": "no server token ids and no tokenizer to render the row",
-    "over_length": "longer than the training max length",
+    "over_length": "longer than the training max length (long_rows = \"drop\")",
     "short": "fewer loss tokens than the minimum",
 }
 
 LOSS_BUCKETS = (0, 1, 8, 32, 128, 512, 2048, 8192)  # lower edges, for the printed distribution
+LONG_ROWS = ("cut", "drop")  # what becomes of a row longer than max_length
 
 
 @dataclass(frozen=True)
@@ -59,18 +62,34 @@ class Rules:
     """What a row must be to be trained on: the gate's, the export's and the trainers' filter. A
     training run reads its rules from one place, its config's [rules] (queue/spec.run_rules)."""
     min_loss_tokens: int = 32
-    max_length: int = 16384
+    # None: every row whole (none is longer than the job's cap plus its longest prompt)
+    max_length: int | None = None
     keep_truncated: bool = False
     keep_looping: bool = False
     require_tokens: bool = True  # an untokenizable row is dropped (not for conversations)
+    # a row longer than max_length: "cut" to its first max_length tokens, or "drop"
+    long_rows: str = "cut"
+
+    def __post_init__(self) -> None:
+        if self.long_rows not in LONG_ROWS:
+            raise ValueError(f"long_rows: {self.long_rows!r} is not one of {', '.join(LONG_ROWS)}")
 
     def drop_reason(self, flags: set[str]) -> str | None:
         for reason in DROP_ORDER:
             if reason in flags and not (reason == "truncated" and self.keep_truncated) \
                     and not (reason == "looping" and self.keep_looping) \
-                    and not (reason == "untokenized" and not self.require_tokens):
+                    and not (reason == "untokenized" and not self.require_tokens) \
+                    and not (reason == "over_length" and self.long_rows == "cut"):
                 return reason
         return None
+
+    def trained(self, tok: Tokenized | None) -> Tokenized | None:
+        """The tokens a kept row is trained on: a row over max_length cut to its first
+        max_length under long_rows "cut", else the row's own."""
+        if tok is None or self.max_length is None or len(tok) <= self.max_length \
+                or self.long_rows != "cut":
+            return tok
+        return tok.cut(self.max_length)
 
 
 @dataclass
@@ -81,6 +100,7 @@ class RowCheck:
     loss_tokens: int | None
     length: int | None
     flags: set[str] = field(default_factory=set)
+    cut_tokens: int = 0  # what cutting it to max_length leaves out (long_rows "cut")
 
 
 def text_flags(row: dict) -> set[str]:
@@ -113,12 +133,18 @@ def check_row(row: dict, tok: Tokenized | None, rules: Rules) -> RowCheck:
     if tok is None:
         flags.add("untokenized")
     else:
-        if tok.loss_tokens < rules.min_loss_tokens:
+        trained = rules.trained(tok)  # a long row's loss tokens are those it keeps once cut
+        if trained.loss_tokens < rules.min_loss_tokens:
             flags.add("short")
-        if len(tok) > rules.max_length:
+        if rules.max_length is not None and len(tok) > rules.max_length:
             flags.add("over_length")
     return RowCheck(str(row.get("id")), str(row.get("status")), row_thinking(row),
-                    tok.loss_tokens if tok else None, len(tok) if tok else None, flags)
+                    tok.loss_tokens if tok else None, len(tok) if tok else None, flags,
+                    len(tok) - len(trained) if tok else 0)
+
+
+def _length(max_length: int | None) -> str:
+    return "none" if max_length is None else f"{max_length:,}"
 
 
 def _pct(part: int, whole: int) -> float:
@@ -140,6 +166,8 @@ class Report:
     sources: Counter = field(default_factory=Counter)       # "server" / "template"
     max_len: int = 0
     dropped: Counter = field(default_factory=Counter)       # first drop reason -> rows
+    cut_rows: int = 0       # kept rows longer than max_length, trained on their first max_length
+    cut_tokens: int = 0     # the tokens cutting them left out
     # with a tokenizer, both paths on rows that have server ids
     compared: int = 0
     prompt_mismatch: int = 0
@@ -147,6 +175,8 @@ class Report:
     mismatch_examples: list = field(default_factory=list)
     tokenize_errors: list = field(default_factory=list)
     modes: ModeCensus = field(default_factory=ModeCensus)
+    # (held-out prompt id, row id): an evaluation's held-out prompts found among the job's rows
+    heldout_in_job: list = field(default_factory=list)
 
     def add(self, check: RowCheck, tok: Tokenized | None = None) -> str | None:
         """Count one row; returns its drop reason under the rules (None: kept)."""
@@ -166,6 +196,9 @@ class Report:
         reason = self.rules.drop_reason(check.flags)
         if reason:
             self.dropped[reason] += 1
+        elif check.cut_tokens:
+            self.cut_rows += 1
+            self.cut_tokens += check.cut_tokens
         return reason
 
     def kept(self) -> int:
@@ -225,6 +258,8 @@ class Report:
             "looping_pct": _pct(self.flags["looping"], self.rows),
             "over_length": self.flags["over_length"],
             "over_length_pct": _pct(self.flags["over_length"], tokenized),
+            "cut_rows": self.cut_rows,
+            "cut_tokens": self.cut_tokens,
             "untokenized": self.flags["untokenized"],
             "template_check": ({"compared": self.compared, "prompt_mismatch": self.prompt_mismatch,
                                 "response_mismatch": self.response_mismatch,
@@ -265,7 +300,8 @@ class Thresholds:
             out.append(f"too few rows kept: the rules keep {report.kept():,} of {report.rows:,} "
                        f"rows (at least {self.min_kept_rows:,} needed); dropped: {dropped} "
                        f"(rules: min_loss_tokens {rules.min_loss_tokens}, max_length "
-                       f"{rules.max_length:,}, keep_truncated {str(rules.keep_truncated).lower()})")
+                       f"{_length(rules.max_length)}, keep_truncated "
+                       f"{str(rules.keep_truncated).lower()})")
         tokenized = f["tokenized_rows"]
         if not tokenized:
             out.append("no row could be tokenized: the rows carry no server token ids "
@@ -305,7 +341,15 @@ class Thresholds:
         if tokenized and too_long > self.max_over_length_share * tokenized:
             out.append(f"too long: {_pct(too_long, tokenized)}% of rows ({too_long:,}) are "
                        f"dropped for exceeding the training max length {rules.max_length:,} "
-                       f"(limit {100 * self.max_over_length_share:g}%)")
+                       f"(limit {100 * self.max_over_length_share:g}%): raise max_length, or "
+                       "set long_rows = \"cut\" to train them on their first max_length tokens")
+        if report.heldout_in_job:
+            first = dict(reversed(report.heldout_in_job))  # each prompt with its first row
+            pairs = ", ".join(f"{held} (row {row})" for held, row in list(first.items())[:3])
+            out.append(f"held-out prompts in the training job: {len(first):,} of the [eval] "
+                       f"prompts are prompts of this job ({pairs}): the drafter trains on "
+                       "the target's answers to them, and their tau would measure memorisation; "
+                       "hold out others")
         if report.compared and report.prompt_mismatch > self.max_prompt_mismatch_share * report.compared:
             out.append(f"template mismatch: for {report.prompt_mismatch:,} of {report.compared:,} "
                        "rows the tokenizer's chat template renders a prompt other than the one "

@@ -69,9 +69,13 @@ def row_fact(row: dict, rules: Rules = RULES) -> list:
         loss = int(meta.get("completion_tokens") or 0)
         length = int(meta.get("prompt_tokens") or 0) + loss
     flags = text_flags(row)
-    if loss < rules.min_loss_tokens:
+    trained = loss  # a long row cut to max_length trains on the loss tokens the cut keeps
+    over = rules.max_length is not None and length > rules.max_length
+    if over and rules.long_rows == "cut":
+        trained = max(0, loss - (length - rules.max_length))
+    if trained < rules.min_loss_tokens:
         flags.add("short")
-    if length > rules.max_length:
+    if over:
         flags.add("over_length")
     return [loss, length, row.get("status"), int(row_thinking(row)), sorted(flags)]
 

@@ -55,6 +55,12 @@ class Tokenized:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def cut(self, max_length: int) -> "Tokenized":
+        """Its first max_length tokens (SpecForge trains a longer row so: its first
+        data.max_length), the loss mask cut with them."""
+        return Tokenized(self.input_ids[:max_length], self.loss_mask[:max_length], self.source,
+                         min(self.prompt_len, max_length))
+
 
 def _masked(prompt: Sequence[int], response: Sequence[int], source: str) -> Tokenized:
     return Tokenized(list(prompt) + list(response), [0] * len(prompt) + [1] * len(response),

@@ -154,6 +154,7 @@ class RunSession:
         self.say(f"quality gate over job {self.run.job}'s shipped rows ...")
         try:
             report, failures = validate_job(self._job_storage(), self.run.job, rules, thresholds,
+                                            heldout=self._heldout_prompts(),
                                             on_batch=lambda _rec: self.check_stop())
         except NoManifest as exc:
             report, failures = None, [str(exc)]
@@ -174,6 +175,20 @@ class RunSession:
                                 "quality gate:\n" + "\n".join(f"  - {f}" for f in failures))
         self.say(f"quality gate passed: {verdict['rows']:,} rows, {verdict['kept']:,} kept")
         return rules
+
+    def _heldout_prompts(self) -> list:
+        """The run's [eval] prompts, which the gate refuses to find among the job's rows (none
+        without [eval]; a file that cannot be read fails the run where the evaluation is set up,
+        `evaluator`)."""
+        if not self.run.spec.get("eval"):
+            return []
+        from dflash_tasks.training.reference import heldout
+        from dflash_tasks.training.reference.config import EvalConfig
+
+        try:
+            return heldout.load_prompts(EvalConfig.model_validate(self.run.spec["eval"]))
+        except heldout.EvalError:
+            return []
 
     def smoke(self) -> None:
         """The overfit gate, when the spec has [smoke] (once per run: a passed gate is not run
@@ -287,6 +302,8 @@ class RunSession:
         out = export_training(self._job_storage(), self.run.job, fmt, data_dir, rules,
                               on_batch=lambda _rec: self.check_stop())
         self.say(f"exported {out.kept:,} rows to {out.path}")
+        if values.get("max_length") is None:  # every row whole: SpecForge's max is the longest
+            values = {**values, "max_length": max(2, out.report.max_len)}
         chat_template = None
         if fmt == "specforge-conversations":
             try:

@@ -3,7 +3,8 @@ queued, and stored in the run (the training node does not need the file).
 
     [rules]       # which rows the run trains on: the gate, the trainer and the export read these
     min_loss_tokens = 32
-    max_length = 4096
+    max_length = 8192       # unset: every row whole (the job's cap plus its prompt at most)
+    long_rows = "cut"       # a row longer: trained on its first max_length tokens ("drop": not)
     keep_truncated = false
     keep_looping = false    # rows whose output ends in a loop (output/loops.py)
 
@@ -79,7 +80,7 @@ REFUSED_SPECFORGE = {("model", "trust_remote_code"): "it runs code from the mode
 COMMAND_DEFAULTS = {"nproc": 1, "block_size": 16,
                     "drafter_layers": 1, "anchors_per_sequence": 512, "decay_gamma": 7.0,
                     "learning_rate": 6e-4,
-                    "max_length": 4096, "epochs": 6, "checkpoint_every": 1000,
+                    "max_length": None, "epochs": 6, "checkpoint_every": 1000,
                     "capture_port": 30000, "chat_template": "auto",
                     "format": "specforge-tokenized"}
 # Filled in by the training task for each run.
@@ -89,10 +90,11 @@ SECTIONS = ("rules", "gate", "reference", "command", "smoke", "eval")
 _GATE_FIELDS = {f.name for f in fields(Rules)} | {f.name for f in fields(Thresholds)}
 # [rules]: a Rules field each (require_tokens follows from the format); where a config written
 # before [rules] set the same field, and the trainer's default when none does.
-RULE_FIELDS = ("min_loss_tokens", "max_length", "keep_truncated", "keep_looping")
-RULE_TYPES = {"min_loss_tokens": (int, 0), "max_length": (int, 2), "keep_truncated": (bool, None),
-              "keep_looping": (bool, None)}
-RULES_ALSO_IN = {"reference": ("min_loss_tokens", "max_length", "keep_truncated", "keep_looping"),
+RULE_FIELDS = ("min_loss_tokens", "max_length", "long_rows", "keep_truncated", "keep_looping")
+RULE_TYPES = {"min_loss_tokens": (int, 0), "max_length": (int, 2), "long_rows": (str, ("cut", "drop")),
+              "keep_truncated": (bool, None), "keep_looping": (bool, None)}
+RULES_ALSO_IN = {"reference": ("min_loss_tokens", "max_length", "long_rows", "keep_truncated",
+                               "keep_looping"),
                  "command": ("max_length", "keep_truncated")}
 
 
@@ -225,8 +227,12 @@ def resolve_rules(config: dict, trainer: str, source: str = "--config") -> dict:
 
 def _check_rule(name: str, value, where: str) -> None:
     kind, least = RULE_TYPES[name]
+    if name == "max_length" and value is None:  # JSON's null: every row whole, the default
+        return
     if kind is bool and not isinstance(value, bool):
         raise SpecError(f"{where} {name}: true or false, not {value!r}")
+    if kind is str and value not in least:
+        raise SpecError(f"{where} {name}: one of {', '.join(map(json.dumps, least))}, not {value!r}")
     if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < least):
         raise SpecError(f"{where} {name}: an integer >= {least}, not {value!r}")
 
@@ -351,6 +357,8 @@ def _check_run_config(values: dict, source: str) -> None:
     own Config when it is installed here."""
     from dflash_tasks.training.queue.specforge import HandoffError, check, run_config
 
+    if values.get("max_length") is None:  # the export's longest row, known when it is written
+        values = {**values, "max_length": 2}
     try:
         config = run_config(values, fmt=values["format"], data_path="<data_path>",
                             output_dir="<output_dir>", work_dir="<run_dir>/specforge",

@@ -124,6 +124,8 @@ def run_config(values: dict, *, fmt: str, data_path: str | Path, output_dir: str
         model["draft_model_config"] = str(values["draft_config"])
     if warm_start:
         model["draft_checkpoint_path"] = str(warm_start)
+    if values.get("max_length") is None:  # the run sets the export's longest row (execute.py)
+        raise HandoffError("[rules] max_length: none given and no export to take it from")
     data = {"max_length": int(values["max_length"]), "cache_dir": str(work_dir / "cache")}
     if fmt == "specforge-tokenized":
         data["prompts_path"] = str(data_path)  # read as it is: no template involved

@@ -11,9 +11,11 @@ there, and position 0 (the anchor, already known) carries no loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 IGNORE = -100  # label of a position with no loss (F.cross_entropy's ignore_index)
 
@@ -121,6 +123,37 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     correct.index_add_(0, block_pos, hit)
     total.index_add_(0, block_pos, torch.ones_like(hit))
     return loss, correct.cpu(), total.cpu()
+
+
+def chunked_block_loss(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                       labels: torch.Tensor, weights: torch.Tensor, block_pos: torch.Tensor,
+                       block_size: int,
+                       chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block_loss of `project(hidden)` ([m, hidden] to [m, vocab] logits), `chunk` positions at
+    a time: each chunk's logits are made, reduced to its weighted cross-entropy and hits, and
+    dropped, then made again in the backward pass (torch.utils.checkpoint), so a step holds one
+    chunk's logits instead of all m's (512 anchors x 15 labelled positions x 151,936 float32
+    logits are 4.7 GB, before softmax and its gradient; SpecForge chunks its loss too). The
+    same loss as block_loss, summed in another order."""
+    correct = torch.zeros(block_size, dtype=torch.long, device=labels.device)
+    total = torch.zeros_like(correct)
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    for first in range(0, labels.shape[0], chunk):
+        part = slice(first, first + chunk)
+        weighted, hit = checkpoint(_chunk_terms, project, hidden[part], labels[part],
+                                   weights[part], use_reentrant=False)
+        loss = loss + weighted
+        correct.index_add_(0, block_pos[part], hit)
+        total.index_add_(0, block_pos[part], torch.ones_like(hit))
+    loss = loss / weights.sum().clamp_min(torch.finfo(weights.dtype).tiny)
+    return loss, correct.cpu(), total.cpu()
+
+
+def _chunk_terms(project, hidden: torch.Tensor, labels: torch.Tensor,
+                 weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = project(hidden)
+    ce = F.cross_entropy(scores, labels, reduction="none")
+    return (weights * ce).sum(), (scores.argmax(-1) == labels).long()
 
 
 def position_accuracy(correct: torch.Tensor, total: torch.Tensor) -> list[float | None]:

@@ -1,8 +1,12 @@
 """Checkpoints in `run_dir/checkpoints/step_XXXXXXXX/`:
 
 - `drafter.safetensors`: the drafter's weights only (the embeddings and LM head are the
-  target's, and are not copied);
-- `config.json`: the DrafterSpec (sizes, block size, target layers, mask id, target path);
+  target's, and are not copied), named as z-lab's DFlash drafters name them;
+- `config.json`: the drafter as z-lab's DFlash HF config (`DrafterSpec.to_hf_config`: sizes,
+  `dflash_config` with the block size, target layers and mask id, the target path), so the
+  directory is what SGLang's DFLASH speculative decoding serves
+  (`--speculative-draft-model-path`; docs/TRAINING.md; tests/sglang_real loads it with
+  SGLang 0.5.23's own parser and weight loader);
 - `training_state.pt`: optimizer, scheduler, progress counters and RNG states, for resume.
 
 Each is written into a hidden temporary directory that is then renamed: a directory named
@@ -46,7 +50,7 @@ def save_checkpoint(run_dir: Path, step: int, drafter: Drafter, state: dict, kee
     tmp.mkdir(parents=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()},
               str(tmp / "drafter.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(drafter.spec.to_json(), indent=1))
+    (tmp / "config.json").write_text(json.dumps(drafter.spec.to_hf_config(), indent=1))
     torch.save(state, tmp / "training_state.pt")
     tmp.rename(final)
     for old in checkpoint_dirs(run_dir)[:-keep]:

@@ -31,6 +31,9 @@ class TrainConfig(BaseModel):
     target_layer_ids: list[int] | None = None  # None: one per drafter layer, spread evenly
     anchors_per_sequence: int = Field(512, ge=1)
     decay_gamma: float | None = 7.0  # w_k = exp(-(k-1)/gamma); None or <= 0: all weights 1
+    # labelled positions projected to the vocabulary at once in the loss (blocks.
+    # chunked_block_loss): 1,024 x 151,936 float32 logits are 0.6 GB, whatever the row's length
+    loss_chunk: int = Field(1024, ge=1)
     # None: the tokenizer's mask token, else the target's last embedding row (vocab_size - 1),
     # which Qwen3's vocabulary pads past its last real token and never emits
     mask_token_id: int | None = Field(None, ge=0)
@@ -44,7 +47,10 @@ class TrainConfig(BaseModel):
 
     # data: the job's rows through the quality gate's rules (`rules()`; a queued run writes its
     # [rules] here, so the gate and this trainer keep the same rows)
-    max_length: int = Field(4096, ge=2)
+    # None: every row whole, the longest the job's cap plus its prompt (docs/TRAINING.md gives
+    # the memory a length costs); a longer row is cut to it, or dropped (long_rows)
+    max_length: int | None = Field(None, ge=2)
+    long_rows: Literal["cut", "drop"] = "cut"  # a longer row: its first max_length tokens, or none
     min_loss_tokens: int = Field(32, ge=0)
     keep_truncated: bool = False
     keep_looping: bool = False  # rows whose output ends in a loop (output/loops.py)
@@ -90,6 +96,7 @@ class TrainConfig(BaseModel):
     def rules(self) -> Rules:
         """The rows this trainer reads: the quality gate's rules with these values."""
         return Rules(min_loss_tokens=self.min_loss_tokens, max_length=self.max_length,
+                     long_rows=self.long_rows,
                      keep_truncated=self.keep_truncated, keep_looping=self.keep_looping)
 
     def decay(self) -> float | None:
@@ -150,7 +157,8 @@ class EvalConfig(BaseModel):
 
     prompts: str                    # a prompt dataset (JSONL or Parquet, as `enqueue` reads)
     max_prompts: int = Field(32, ge=1)
-    max_new_tokens: int = Field(256, ge=2)
+    # z-lab's DFlash benchmark: 2,048 new tokens, greedy (dflash/benchmark.py)
+    max_new_tokens: int = Field(2048, ge=2)
     temperature: float = Field(0.0, ge=0)
     enable_thinking: bool | None = None  # None: the mode of the run's rows
     seed: int = 0

@@ -10,7 +10,7 @@ from torch import nn
 
 from dflash_tasks.training.reference.blocks import build_blocks, sample_anchors
 from dflash_tasks.training.reference.model import Drafter, block_hidden, logits
-from dflash_tasks.training.reference.target import target_hidden
+from dflash_tasks.training.reference.target import kv_cache, target_hidden
 
 
 @torch.no_grad()
@@ -19,7 +19,7 @@ def greedy_continuation(target: nn.Module, prefix: torch.Tensor, n: int) -> torc
     out = target(input_ids=prefix[None], use_cache=True, logits_to_keep=1)
     tokens = [out.logits[0, -1].argmax()]
     while len(tokens) < n:
-        out = target(input_ids=tokens[-1].view(1, 1), cache=out.cache, use_cache=True)
+        out = target(input_ids=tokens[-1].view(1, 1), use_cache=True, **kv_cache(out))
         tokens.append(out.logits[0, -1].argmax())
     return torch.stack(tokens)
 

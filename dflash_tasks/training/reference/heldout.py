@@ -3,11 +3,17 @@
 For each prompt, rendered with the chat template in the evaluation's thinking mode, the target
 writes its own answer (greedy at temperature 0, else sampled), and the drafter's tau and
 acceptance by block position are measured replaying speculative decoding along that answer
-(speculation.py defines both). Counts are pooled over every verification step of every prompt.
+(speculation.py defines both). tau is the mean over prompts of each prompt's own tau, as z-lab's
+DFlash benchmark (`dflash/benchmark.py`: the mean of each response's mean acceptance length) and
+SpecForge report it; `tau_pooled`, beside it, is every prompt's tokens over every prompt's steps,
+which weighs long answers more (2.12 against 2.16 on one run). Acceptance by position is pooled.
+A held-out prompt that is also one of the training job's prompts is refused (`overlap`): the
+drafter has seen the target's answer to it.
 """
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -61,6 +67,23 @@ def check_thinking_contract(rows: Iterable[dict], settings: EvalConfig) -> bool:
     return mode
 
 
+def refuse_training_prompts(prompts: list, rows: Iterable[dict]) -> None:
+    """EvalError when a held-out prompt is one of the training job's (the same turns but the
+    assistant's: ingest.prompts.question_id), naming the first few and their rows."""
+    from dflash_tasks.ingest.prompts import question_id
+
+    questions = {question_id(p.messages): p.id for p in prompts}
+    found = [(questions[key], str(row.get("id"))) for row in rows
+             if (key := question_id(row.get("conversations") or [])) in questions]
+    if found:
+        first = dict(reversed(found))  # each held-out prompt with the first row that has it
+        pairs = ", ".join(f"{held} (row {row})" for held, row in list(first.items())[:3])
+        raise EvalError(f"{len(first)} of the {len(prompts)} held-out prompts are prompts of "
+                        f"the training job: {pairs}; the drafter was trained on the target's "
+                        "answers to them, so their tau would measure memorisation: hold out "
+                        "others")
+
+
 def load_prompts(settings: EvalConfig) -> list:
     from dflash_tasks.ingest.prompts import DatasetError, ReadSummary, read_prompts
 
@@ -102,7 +125,9 @@ def evaluate(target: nn.Module, drafter: Drafter, template: ChatTemplate, prompt
                            "tau": counts.tau, "steps": counts.steps})
         if should_stop is not None and should_stop():
             break
-    return {**total.to_json(), "prompts": len(per_prompt),
+    taus = [p["tau"] for p in per_prompt if p["tau"] is not None]
+    return {**total.to_json(), "tau": statistics.fmean(taus) if taus else None,
+            "tau_pooled": total.tau, "prompts": len(per_prompt),
             "temperature": settings.temperature, "enable_thinking": thinking,
             "max_new_tokens": settings.max_new_tokens, "prompts_file": settings.prompts,
             "duration_s": round(time.monotonic() - started, 1), "per_prompt": per_prompt}
@@ -136,6 +161,7 @@ def write_report(report: dict, path: Path) -> None:
 
 def summary(report: dict) -> dict:
     """What a run's hash keeps of a report (train-status): no per-prompt lines."""
-    return {k: report.get(k) for k in ("checkpoint", "step", "tau", "acceptance_by_position",
+    return {k: report.get(k) for k in ("checkpoint", "step", "tau", "tau_pooled",
+                                       "acceptance_by_position",
                                        "steps", "prompts", "temperature", "enable_thinking",
                                        "block_size")}

@@ -33,6 +33,11 @@ class DrafterSpec:
     mask_token_id: int
     target_model: str
     initializer_range: float = 0.02
+    # the target's, for the HF config SGLang serves the drafter from (None in a checkpoint
+    # written before it was: to_hf_config fills what SGLang defaults to)
+    num_target_layers: int | None = None
+    vocab_size: int | None = None
+    max_position_embeddings: int | None = None
 
     @classmethod
     def from_target(cls, config, *, num_layers: int, target_layer_ids: list[int],
@@ -51,14 +56,61 @@ class DrafterSpec:
                    num_layers=num_layers, target_layer_ids=tuple(target_layer_ids),
                    block_size=block_size, mask_token_id=mask_token_id,
                    target_model=str(target_model),
-                   initializer_range=getattr(config, "initializer_range", 0.02))
+                   initializer_range=getattr(config, "initializer_range", 0.02),
+                   num_target_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
+                   max_position_embeddings=getattr(config, "max_position_embeddings", None))
 
     def to_json(self) -> dict:
         return {**asdict(self), "target_layer_ids": list(self.target_layer_ids)}
 
     @classmethod
     def from_json(cls, data: dict) -> "DrafterSpec":
+        """From to_json's dict, or from to_hf_config's (a checkpoint's config.json)."""
+        if "dflash_config" in data:
+            return cls.from_hf_config(data)
         return cls(**{**data, "target_layer_ids": tuple(data["target_layer_ids"])})
+
+    def to_hf_config(self) -> dict:
+        """The drafter as a Hugging Face config in z-lab's DFlash format, which SGLang's DFLASH
+        speculative decoding loads (`--speculative-draft-model-path`: `DFlashDraftModel`, its
+        `dflash_config` parsed by sglang.srt.speculative.dflash_utils): a Qwen3-style config of
+        the drafter's layers, the target's depth, and the block size, mask token and target
+        layers in `dflash_config`. `target_model` (where it was trained) is this project's."""
+        return {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "num_hidden_layers": self.num_layers,
+            "num_target_layers": self.num_target_layers or max(self.target_layer_ids) + 1,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "max_position_embeddings": self.max_position_embeddings or 40960,
+            "vocab_size": self.vocab_size or self.mask_token_id + 1,
+            "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+            "use_cache": False, "is_causal": False, "dtype": "float32",
+            "initializer_range": self.initializer_range,
+            "dflash_config": {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
+                              "target_layer_ids": list(self.target_layer_ids)},
+            "target_model": self.target_model,
+        }
+
+    @classmethod
+    def from_hf_config(cls, data: dict) -> "DrafterSpec":
+        dflash = data["dflash_config"]
+        return cls(hidden_size=data["hidden_size"],
+                   num_attention_heads=data["num_attention_heads"],
+                   num_key_value_heads=data["num_key_value_heads"], head_dim=data["head_dim"],
+                   intermediate_size=data["intermediate_size"],
+                   rms_norm_eps=data["rms_norm_eps"], rope_theta=float(data["rope_theta"]),
+                   num_layers=data["num_hidden_layers"],
+                   target_layer_ids=tuple(dflash["target_layer_ids"]),
+                   block_size=dflash["block_size"], mask_token_id=dflash["mask_token_id"],
+                   target_model=data.get("target_model", ""),
+                   initializer_range=data.get("initializer_range", 0.02),
+                   num_target_layers=data.get("num_target_layers"),
+                   vocab_size=data.get("vocab_size"),
+                   max_position_embeddings=data.get("max_position_embeddings"))
 
 
 class RMSNorm(nn.Module):

@@ -5,9 +5,10 @@ One verification step: the last token produced is the anchor, at position p. The
 the block's other block_size - 1 positions in one pass (drafts d_1..d_{B-1}); the target runs
 once over the block, accepts the longest prefix d_1..d_m equal to its own tokens x[p+1..p+m],
 and adds one token of its own after them: the bonus, x[p+m+1]. The step produced m + 1 tokens
-and the next anchor is p + m + 1. tau = tokens produced / verification steps, pooled over every
-step of every prompt: SpecForge's DFlash `spec_generate` records `acceptance_length + 1` per
-step, the bonus counted, and the papers' tau (DSpark's Table 1) is the mean of those. The
+and the next anchor is p + m + 1. A prompt's tau = tokens produced / verification steps:
+SpecForge's DFlash `spec_generate` records `acceptance_length + 1` per step, the bonus counted,
+and the papers' tau (DSpark's Table 1) is the mean of those; over many prompts, the mean of the
+prompts' own (heldout.py). The
 first token of the answer comes from the prefill, not from a verification step.
 
 Acceptance at block position k (1..B-1) is the share of steps whose first k drafts were all
@@ -32,7 +33,7 @@ from torch import nn
 
 from dflash_tasks.training.reference.blocks import build_blocks
 from dflash_tasks.training.reference.model import Drafter, block_hidden, logits
-from dflash_tasks.training.reference.target import target_hidden
+from dflash_tasks.training.reference.target import kv_cache, target_hidden
 
 # Drafted positions projected to the vocabulary per drafter pass: logits are [n, 151,936]
 # float32, 155 MB at 256 positions.
@@ -162,5 +163,5 @@ def continuation(target: nn.Module, prompt: Sequence[int], max_new_tokens: int, 
         produced.append(token)
         if token in stops or len(produced) >= max_new_tokens:
             return produced
-        out = target(input_ids=torch.tensor([[token]], device=device),
-                     cache=out.cache, use_cache=True)
+        out = target(input_ids=torch.tensor([[token]], device=device), use_cache=True,
+                     **kv_cache(out))

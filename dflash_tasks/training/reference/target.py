@@ -64,13 +64,23 @@ def mask_token_id(config: TrainConfig, tokenizer, vocab_size: int) -> int:
     return int(mask)
 
 
+def kv_cache(out) -> dict:
+    """The KV cache a forward pass returned, as the next pass takes it: transformers 5 names it
+    `cache` (out.cache, cache=; `past_key_values` is deprecated there and gone from the output),
+    4.x `past_key_values`. Both ends of the declared range run the same decoding."""
+    cache = getattr(out, "cache", None)
+    if cache is not None:
+        return {"cache": cache}
+    return {"past_key_values": out.past_key_values}
+
+
 @torch.no_grad()
 def target_hidden(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   layers: list[int]) -> torch.Tensor:
     """The target's hidden states after each of `layers`, concatenated on the feature axis:
     [batch, seq, len(layers) * hidden]. Only the decoder runs: the LM head over the whole
     sequence (seq x 151,936 logits) is never needed."""
-    out = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+    out = target.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                output_hidden_states=True, use_cache=False)
     # hidden_states[0] is the embedding output, so layer i's output is hidden_states[i + 1]
     return torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)

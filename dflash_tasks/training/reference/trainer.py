@@ -17,8 +17,8 @@ from dflash_tasks.output.storage import Storage
 from dflash_tasks.training.data.tokens import ChatTemplate
 from dflash_tasks.training.reference.blocks import (
     IGNORE,
-    block_loss,
     build_blocks,
+    chunked_block_loss,
     position_accuracy,
     sample_anchors,
 )
@@ -146,8 +146,11 @@ class _Run:
         checkpoint = latest_checkpoint(self.run_dir)
         if checkpoint is not None:
             saved, now = read_spec(checkpoint).to_json(), self.spec.to_json()
-            differ = [k for k in now if k != "target_model" and saved.get(k) != now[k]]
-            if differ:  # the target may have moved; the drafter must be the same
+            # the target may have moved; the drafter must be the same (a field an older
+            # checkpoint did not record is the target's, not the drafter's)
+            differ = [k for k in now if k != "target_model" and saved.get(k) is not None
+                      and saved.get(k) != now[k]]
+            if differ:
                 k = differ[0]
                 raise ValueError(f"cannot resume from {checkpoint}: its drafter has {k} "
                                  f"{saved.get(k)!r}, this config gives {now[k]!r} (use "
@@ -178,12 +181,14 @@ class _Run:
                               mask_token_id=spec.mask_token_id, gamma=self.config.decay())
         out = block_hidden(self.target, self.drafter, hidden, blocks.input_ids, blocks.positions,
                            blocks.mask)
-        # project to the vocabulary only where there is a label: logits are [positions, 151,936]
+        # project to the vocabulary only where there is a label, and a chunk of positions at a
+        # time: logits are [positions, 151,936]
         labelled = blocks.labels != IGNORE
         k = torch.arange(blocks.labels.shape[1], device=self.device) % spec.block_size
-        loss, correct, total = block_loss(logits(self.target, out[labelled]),
-                                          blocks.labels[labelled], blocks.weights[labelled],
-                                          k.expand_as(labelled)[labelled], spec.block_size)
+        loss, correct, total = chunked_block_loss(
+            partial(logits, self.target), out[labelled], blocks.labels[labelled],
+            blocks.weights[labelled], k.expand_as(labelled)[labelled], spec.block_size,
+            self.config.loss_chunk)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.config.grad_clip is not None:
