@@ -1,7 +1,7 @@
 """Case 19: the peak memory of one reference training step on an 8,192-token row (512 anchors of
 a 16-token block), with the loss over the vocabulary at once and in chunks (blocks.
 chunked_block_loss). Each measure runs in a process of its own: a tiny Qwen3 target (hidden 64,
-4 layers) of vocabulary V, the trainer's own step (trainer._Run.step) on one row of 200 prompt
+4 layers) of vocabulary V, a 1-layer drafter, the trainer's own step (trainer._Run.step) on one row of 200 prompt
 and 7,992 response tokens, and the process's peak resident memory less its memory before the
 step. Measured at two vocabularies and scaled linearly to Qwen3's 151,936 (what grows with the
 vocabulary is the logits, their softmax and gradient): a and b of peak = a + b x V.
@@ -46,8 +46,10 @@ def one_step(vocab: int, chunk: int) -> dict:
             max_position_embeddings=ROW, tie_word_embeddings=False)
         torch.manual_seed(0)
         transformers.Qwen3ForCausalLM(config).save_pretrained(tmp)
+        # one drafter layer: what the vocabulary costs is the loss's, at any depth
         run = _Run(TrainConfig(target_model=tmp, block_size=BLOCK, anchors_per_sequence=ANCHORS,
-                               loss_chunk=chunk or ANCHORS * BLOCK, device="cpu"),
+                               drafter_layers=1, loss_chunk=chunk or ANCHORS * BLOCK,
+                               device="cpu"),
                    Path(tmp) / "run", lambda line: None, None)
         run.window = Window(BLOCK)
         run.started, run.elapsed_before = 0.0, 0.0

@@ -24,6 +24,7 @@ min_loss_tokens = 8
 [reference]
 target_model = "{target}"
 block_size = 4
+drafter_layers = 1
 anchors_per_sequence = 16
 decay_gamma = 4.0
 learning_rate = 1e-2

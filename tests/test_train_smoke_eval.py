@@ -54,6 +54,7 @@ def data(tmp_path_factory, target_dir) -> Path:
 def config(target_dir: Path, **overrides) -> TrainConfig:
     return TrainConfig(**{
         "target_model": str(target_dir), "block_size": BLOCK, "anchors_per_sequence": 16,
+        "drafter_layers": 1,
         "decay_gamma": 4.0, "learning_rate": 1e-2, "batch_size": 2, "min_loss_tokens": 8,
         "max_length": 512, **overrides})
 
@@ -143,6 +144,7 @@ def write_config(path: Path, target_dir: Path, extra: str = "") -> Path:
 [reference]
 target_model = "{target_dir}"
 block_size = {BLOCK}
+drafter_layers = 1
 anchors_per_sequence = 16
 decay_gamma = 4.0
 learning_rate = 1e-2

@@ -83,6 +83,7 @@ def data(tmp_path_factory, target) -> tuple[Path, list[dict]]:
 def config(target_dir: Path, **overrides) -> TrainConfig:
     return TrainConfig(**{
         "target_model": str(target_dir), "block_size": BLOCK, "anchors_per_sequence": 8,
+        "drafter_layers": 1,  # the mechanics, on one layer (the default is z-lab's five)
         "decay_gamma": 4.0, "learning_rate": 1e-2, "batch_size": 2, "shuffle_buffer": 4,
         "min_loss_tokens": 8, "max_length": 512, **overrides})
 

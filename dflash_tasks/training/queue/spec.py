@@ -78,7 +78,7 @@ REFUSED_SPECFORGE = {("model", "trust_remote_code"): "it runs code from the mode
 # Values the default command and its run config use, with their defaults (the DFlash recipe's:
 # SpecForge's own schema defaults differ, docs/TRAINING.md says which).
 COMMAND_DEFAULTS = {"nproc": 1, "block_size": 16,
-                    "drafter_layers": 1, "anchors_per_sequence": 512, "decay_gamma": 7.0,
+                    "drafter_layers": 5, "anchors_per_sequence": 512, "decay_gamma": 7.0,
                     "learning_rate": 6e-4,
                     "max_length": None, "epochs": 6, "checkpoint_every": 1000,
                     "capture_port": 30000, "chat_template": "auto",

@@ -27,7 +27,9 @@ class TrainConfig(BaseModel):
 
     # the drafter and its objective
     block_size: int = Field(16, ge=2)
-    drafter_layers: int = Field(1, ge=1)
+    # z-lab's published drafters: 5 layers fed by 5 target layers ([1, 9, 17, 25, 33] of
+    # Qwen3-8B's 36, as target.default_layer_ids spreads them)
+    drafter_layers: int = Field(5, ge=1)
     target_layer_ids: list[int] | None = None  # None: one per drafter layer, spread evenly
     anchors_per_sequence: int = Field(512, ge=1)
     decay_gamma: float | None = 7.0  # w_k = exp(-(k-1)/gamma); None or <= 0: all weights 1

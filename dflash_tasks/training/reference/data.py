@@ -13,6 +13,7 @@ import torch
 from dflash_tasks.output.storage import Storage
 from dflash_tasks.training.data.tokens import ChatTemplate
 from dflash_tasks.training.reference.config import TrainConfig
+from dflash_tasks.training.reference.distributed import Ranks
 from dflash_tasks.training.torch_dataset import JobDataset
 
 
@@ -43,10 +44,17 @@ def job_dataset(config: TrainConfig, job: str, source: str | Path | Storage,
                       rank=0, world_size=1, should_stop=should_stop)
 
 
-def epoch_batches(dataset: JobDataset, config: TrainConfig, epoch: int,
-                  skip: int = 0) -> Iterator[list[dict]]:
-    """Lists of up to batch_size samples of one epoch, the first `skip` samples left out."""
+def epoch_batches(dataset: JobDataset, config: TrainConfig, epoch: int, skip: int = 0,
+                  ranks: Ranks = Ranks()) -> Iterator[list[dict]]:
+    """Lists of up to batch_size samples of one epoch, the first `skip` samples left out. With
+    several processes, every process reads the one stream in global batches of world x
+    batch_size samples and takes its rank's share; a last global batch too short to give every
+    rank a whole share is left out, so that the ranks step together."""
     generator = torch.Generator().manual_seed(config.seed + epoch)
     stream = islice(shuffled(dataset, config.shuffle_buffer, generator), skip, None)
-    while batch := list(islice(stream, config.batch_size)):
-        yield batch
+    size = config.batch_size * ranks.world
+    while batch := list(islice(stream, size)):
+        if not ranks.distributed:
+            yield batch
+        elif len(batch) == size:
+            yield batch[ranks.rank * config.batch_size:(ranks.rank + 1) * config.batch_size]

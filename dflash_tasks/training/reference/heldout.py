@@ -6,9 +6,9 @@ acceptance by block position are measured replaying speculative decoding along t
 (speculation.py defines both). tau is the mean over prompts of each prompt's own tau, as z-lab's
 DFlash benchmark (`dflash/benchmark.py`: the mean of each response's mean acceptance length) and
 SpecForge report it; `tau_pooled`, beside it, is every prompt's tokens over every prompt's steps,
-which weighs long answers more (2.12 against 2.16 on one run). Acceptance by position is pooled.
-A held-out prompt that is also one of the training job's prompts is refused (`overlap`): the
-drafter has seen the target's answer to it.
+which weighs long answers more. Acceptance by position is pooled. A held-out prompt that is also
+one of the training job's prompts is refused (`refuse_training_prompts`): the drafter has seen
+the target's answer to it.
 """
 from __future__ import annotations
 

@@ -225,14 +225,15 @@ class Drafter(nn.Module):
 
 def block_hidden(target: nn.Module, drafter: Drafter, target_hidden: torch.Tensor,
                  block_ids: torch.Tensor, block_pos: torch.Tensor,
-                 mask: torch.Tensor) -> torch.Tensor:
+                 mask: torch.Tensor, forward: nn.Module | None = None) -> torch.Tensor:
     """The drafter's output for the block tokens, embedded with the target's frozen embeddings.
-    Project with `logits` (only where needed: the vocabulary is large)."""
+    Project with `logits` (only where needed: the vocabulary is large). `forward`: what runs
+    the drafter, when not itself (DDP around it)."""
     dtype = drafter.fc.weight.dtype
     embeds = target.get_input_embeddings()(block_ids).to(dtype)
     context_pos = torch.arange(target_hidden.shape[1], device=block_ids.device)
     context_pos = context_pos.expand(block_ids.shape[0], -1)
-    return drafter(target_hidden.to(dtype), embeds, context_pos, block_pos, mask)
+    return (forward or drafter)(target_hidden.to(dtype), embeds, context_pos, block_pos, mask)
 
 
 def logits(target: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,6 @@ def target_hidden(target: nn.Module, input_ids: torch.Tensor, attention_mask: to
     [batch, seq, len(layers) * hidden]. Only the decoder runs: the LM head over the whole
     sequence (seq x 151,936 logits) is never needed."""
     out = target.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                               output_hidden_states=True, use_cache=False)
+                            output_hidden_states=True, use_cache=False)
     # hidden_states[0] is the embedding output, so layer i's output is hidden_states[i + 1]
     return torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)

@@ -31,6 +31,7 @@ from dflash_tasks.training.reference.checkpoints import (
 )
 from dflash_tasks.training.reference.config import TrainConfig
 from dflash_tasks.training.reference.data import epoch_batches, job_dataset
+from dflash_tasks.training.reference.distributed import Ranks, barrier, device_for, gathered, join
 from dflash_tasks.training.reference.model import Drafter, DrafterSpec, block_hidden, logits
 from dflash_tasks.training.reference.target import (
     layer_ids,
@@ -97,7 +98,18 @@ def _rng_state(anchor_rng: torch.Generator) -> dict:
     return state
 
 
-def _restore_rng(state: dict, anchor_rng: torch.Generator) -> None:
+def _restore_rng(state: dict | list, anchor_rng: torch.Generator, ranks: Ranks) -> None:
+    """A checkpoint's random state: one per rank (a list, in rank order) since the trainer ran
+    on several processes; a single dict before, that of a one-process run."""
+    if isinstance(state, list):
+        if len(state) != ranks.world:
+            raise ValueError(f"the checkpoint was written by {len(state)} process(es) and this "
+                             f"run has {ranks.world}: resume it with --nproc_per_node "
+                             f"{len(state)} (its data and random state are shared that way)")
+        state = state[ranks.rank]
+    elif ranks.distributed:
+        raise ValueError(f"the checkpoint was written by one process and this run has "
+                         f"{ranks.world}: resume it in one process")
     torch.set_rng_state(state["torch"])
     anchor_rng.set_state(state["anchors"])
     if "cuda" in state and torch.cuda.is_available():
@@ -112,7 +124,8 @@ class _Run:
                  on_checkpoint: Callable[[Path, nn.Module], None] | None = None):
         self.config, self.run_dir, self.say, self.on_metrics = config, run_dir, say, on_metrics
         self.on_checkpoint = on_checkpoint
-        self.device = pick_device(config.device)
+        self.ranks = join()
+        self.device = pick_device(device_for(self.ranks, config.device))
         self.target = load_target(config.target_model, dtype=DTYPES[config.dtype],
                                   device=self.device)
         tokenizer_dir = config.tokenizer_dir()
@@ -127,12 +140,17 @@ class _Run:
         torch.manual_seed(config.seed)
         # float32 whatever the target's dtype: AdamW updates on bf16 weights lose small steps
         self.drafter = Drafter(self.spec).to(self.device)
+        # what the step calls: the drafter itself, or with several processes DDP around it
+        # (gradients averaged over the ranks; the same start on every rank, the same seed)
+        self.model: nn.Module = self.drafter if not self.ranks.distributed else \
+            torch.nn.parallel.DistributedDataParallel(self.drafter)
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.learning_rate,
                                            weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             partial(lr_factor, warmup=config.warmup_steps, max_steps=config.max_steps))
-        self.anchor_rng = torch.Generator().manual_seed(config.seed)
+        # each rank draws its own anchors (rank 0 as a one-process run does)
+        self.anchor_rng = torch.Generator().manual_seed(config.seed + 1_000_003 * self.ranks.rank)
         self.progress = Progress()
         self.written: list[Path] = []
         self.last_metrics: dict = {}
@@ -160,7 +178,7 @@ class _Run:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.progress = Progress(**state["progress"])
-            _restore_rng(state["rng"], self.anchor_rng)
+            _restore_rng(state["rng"], self.anchor_rng, self.ranks)
             self.say(f"resumed from {checkpoint}: step {self.progress.step}, epoch "
                      f"{self.progress.epoch}, {self.progress.epoch_samples} samples into it")
         self.saved_step = self.progress.step
@@ -180,7 +198,7 @@ class _Run:
                               anchors, keep, block_size=spec.block_size,
                               mask_token_id=spec.mask_token_id, gamma=self.config.decay())
         out = block_hidden(self.target, self.drafter, hidden, blocks.input_ids, blocks.positions,
-                           blocks.mask)
+                           blocks.mask, forward=self.model)
         # project to the vocabulary only where there is a label, and a chunk of positions at a
         # time: logits are [positions, 151,936]
         labelled = blocks.labels != IGNORE
@@ -197,8 +215,8 @@ class _Run:
         self.scheduler.step()
 
         progress.step += 1
-        progress.epoch_samples += len(samples)
-        progress.samples += len(samples)
+        progress.epoch_samples += len(samples) * self.ranks.world  # the global batch's
+        progress.samples += len(samples) * self.ranks.world
         progress.elapsed_s = self.elapsed_before + time.monotonic() - self.started
         window.steps += 1
         window.loss += loss.item()
@@ -216,6 +234,9 @@ class _Run:
             "accuracy_by_position": position_accuracy(window.correct, window.total),
             "tokens_per_s": tokens / seconds, "lr": window.lr, "samples": self.progress.samples,
             "elapsed_s": self.progress.elapsed_s}
+        self.window = Window(self.spec.block_size)
+        if not self.ranks.main:  # rank 0 speaks for the run (its own share's figures)
+            return
         with (self.run_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(self.last_metrics) + "\n")
         if self.on_metrics:
@@ -224,18 +245,22 @@ class _Run:
                  f"{self.last_metrics['loss']:.4f} accuracy "
                  f"{'-' if accuracy is None else f'{accuracy:.3f}'} "
                  f"{tokens / seconds:,.0f} tokens/s lr {window.lr:.3g}")
-        self.window = Window(self.spec.block_size)
 
     def save(self) -> None:
-        state = {"optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(),
-                 "progress": asdict(self.progress), "rng": _rng_state(self.anchor_rng)}
-        self.written.append(save_checkpoint(self.run_dir, self.progress.step, self.drafter, state,
-                                            self.config.keep_checkpoints))
+        """Every rank calls it (its random state is gathered); rank 0 writes the checkpoint."""
+        rng = gathered(_rng_state(self.anchor_rng), self.ranks)
+        if self.ranks.main:
+            state = {"optimizer": self.optimizer.state_dict(),
+                     "scheduler": self.scheduler.state_dict(),
+                     "progress": asdict(self.progress),
+                     "rng": rng if self.ranks.distributed else rng[0]}
+            self.written.append(save_checkpoint(self.run_dir, self.progress.step, self.drafter,
+                                                state, self.config.keep_checkpoints))
+            self.say(f"checkpoint {self.written[-1]}")
+            if self.on_checkpoint:
+                self.on_checkpoint(self.written[-1], self.target)
         self.saved_step = self.progress.step
-        self.say(f"checkpoint {self.written[-1]}")
-        if self.on_checkpoint:
-            self.on_checkpoint(self.written[-1], self.target)
+        barrier(self.ranks)  # no rank reads a checkpoint rank 0 has not finished
 
     def finished(self) -> bool:
         epochs = self.config.epochs
@@ -259,12 +284,15 @@ def train(config: TrainConfig, *, job: str, source: str | Path | Storage, run_di
     run = _Run(config, run_dir, log or logger.info, on_metrics, on_checkpoint)
     run.resume()
     progress, status = run.progress, "done"
+    if follow and run.ranks.distributed:
+        raise ValueError("a running job is followed by one process: train on a finished job "
+                         "with several")
     while not run.finished() and status == "done":
         dataset = job_dataset(config, job, source, run.template, follow and progress.epoch == 0,
                               should_stop)
         try:
             for samples in epoch_batches(dataset, config, progress.epoch,
-                                         skip=progress.epoch_samples):
+                                         skip=progress.epoch_samples, ranks=run.ranks):
                 run.step(samples)
                 stop = should_stop is not None and should_stop()
                 if progress.step % config.log_every == 0 or stop or run.finished():
@@ -280,7 +308,8 @@ def train(config: TrainConfig, *, job: str, source: str | Path | Storage, run_di
                 if dataset.stats["yielded"] == 0:
                     raise RuntimeError(f"job {job}: no row passed the rules in epoch "
                                        f"{progress.epoch} ({dict(dataset.stats)})")
-                run.say(f"epoch {progress.epoch} done: {dict(dataset.stats)}")
+                if run.ranks.main:
+                    run.say(f"epoch {progress.epoch} done: {dict(dataset.stats)}")
                 progress.epoch += 1
                 progress.epoch_samples = 0
         except FollowStopped:  # stopped while the followed job had no new batch
