@@ -531,8 +531,8 @@ def _seed_measured(res: dict) -> list[str]:
         out += [
             f"- **Case 19.** One step of the reference trainer (`trainer._Run.step`, the loss"
             f" through `blocks.chunked_block_loss`) on one row of {c19['row']:,} tokens (200 of"
-            f" prompt), {c19['anchors']} anchors of {c19['block']}-token blocks, a tiny Qwen3"
-            " target (hidden 64, 4 layers) built at two vocabulary sizes, each in a process of"
+            f" prompt), {c19['anchors']} anchors of {c19['block']}-token blocks, a 1-layer"
+            " drafter, a tiny Qwen3 target (hidden 64, 4 layers) built at two vocabulary sizes, each in a process of"
             " its own (benchmarks/train_memory.py): the process's peak resident memory less its"
             f" memory before the step. Measured: {measured}. What grows with the vocabulary (the"
             " logits, their softmax and gradient) is"
