@@ -127,9 +127,9 @@ def in_rounds(s: Settings, pending: int, slots: int) -> bool:
 
 def next_round(r: redis.Redis, job: JobName, prompt_id: str, gpu: GpuName, entry: bytes,
                tokens: int, started_from: str, rate_bucket_s: int = 10, *,
-               turn: bool = False, front: bool = False, held: int | None = None) -> bool:
+               turn: bool = False, front: bool = False, held: int = 0) -> bool:
     """A generation cut at its round's end on `gpu`: its entry now the one that goes on from
-    there, `held` tokens in all (kept for the ETA; None: not said), to the back of pending
+    there, `held` tokens in all (kept for the ETA; 0: a reply starting), to the back of pending
     (next_round.lua), or the `front`; with `turn`, a conversation's reply made, for its next
     (counted as a turn, not a round). False when the prompt left `gpu`, or its entry is no
     longer the one of SHA-1 `started_from` (ledger.TaskState.entry_digest), meanwhile (nothing
@@ -139,7 +139,7 @@ def next_round(r: redis.Redis, job: JobName, prompt_id: str, gpu: GpuName, entry
                            rate=job.rate, going_on=job.going_on, id=prompt_id, entry=entry,
                            tokens=tokens, started_from=started_from, gpu=gpu,
                            rate_bucket_s=rate_bucket_s, turn="1" if turn else "0",
-                           front="1" if front else "0", held="" if held is None else held))
+                           front="1" if front else "0", held=held))
 
 
 def migrations(r: redis.Redis, gpu: GpuName, timeout_s: float) -> tuple[str, str] | None:

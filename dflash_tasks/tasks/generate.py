@@ -555,7 +555,7 @@ def _next_turn(job: JobName, prompt_id: str, gpu: GpuName, state: TaskState,
                    runtime().book.r, job, prompt_id, gpu,
                    _entry(job, state.messages, None, state, turns), tokens, state.entry_digest,
                    front=not window.in_rounds(get_settings(), state.pending, _slots(state)),
-                   turn=True, held=0):
+                   turn=True):
         return {"id": prompt_id, "skipped": "no longer in flight here: not handed on"}
     _drop_handed_on(job, state)
     return {"id": prompt_id, "next_turn": len(turns), "tokens": tokens}

@@ -8,6 +8,7 @@
 -- its row is recorded once whatever arrives.
 --- keys: migrating inflight_source inflight_target prompts pending counters config rate going_on
 --- args: id entry source target tokens started_from rate_bucket_s held
+--- uses: going_on
 -- inflight_target is not touched without a target; target: '' for pending; tokens: what was
 -- generated on source (counted in the rates now, when it was made); started_from: the SHA-1 of
 -- the entry the request's task read; held: the tokens the generation goes on from (0: it starts
@@ -29,11 +30,7 @@ if redis.call('ZREM', inflight_source, id) == 0 then
   return 0
 end
 redis.call('HSET', prompts, id, entry)
-if tonumber(held) > 0 then
-  redis.call('HSET', going_on, id, held)
-else
-  redis.call('HDEL', going_on, id)
-end
+keep_going_on(going_on, id, held)
 if target == '' then
   redis.call('LPUSH', pending, id)
 else

@@ -14,10 +14,10 @@
 -- whose entries Redis holds, are about those in flight.
 --- keys: inflight prompts pending counters config rate going_on
 --- args: id entry tokens started_from gpu rate_bucket_s turn front held
+--- uses: going_on
 -- inflight: the GPU's the round ran on; tokens: what that round generated there (counted in
 -- the job's and the GPU's rates now, when it was made); started_from: the SHA-1 of the entry the
--- round's task read; held: the tokens the generation has now ('' leaves going_on as it is; 0, a
--- reply starting, drops it). Returns 1 when it went back to pending, 0 otherwise.
+-- round's task read; held: the tokens the generation has now (0, a reply starting, drops it). Returns 1 when it went back to pending, 0 otherwise.
 if redis.call('EXISTS', config) == 0 then
   return 0
 end
@@ -28,13 +28,7 @@ if redis.call('ZREM', inflight, id) == 0 then
   return 0
 end
 redis.call('HSET', prompts, id, entry)
-if held ~= '' then
-  if tonumber(held) > 0 then
-    redis.call('HSET', going_on, id, held)
-  else
-    redis.call('HDEL', going_on, id)
-  end
-end
+keep_going_on(going_on, id, held)
 local made = tonumber(tokens)
 if front == '1' then
   redis.call('LPUSH', pending, id)
