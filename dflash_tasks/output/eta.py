@@ -131,7 +131,7 @@ def seconds_left(mass: list[tuple[float, float]], unsent: int,
         residual_mean = sum(length * length * p for length, p in mass) / (2 * mean) if mean else 0
         at_end = sum(slots.values()) * residual_mean + sum(waiting.values()) * mean
         full_run = tokens_left(mass, unsent + sum(waiting.values()),
-                               _merged([*in_flight.values(), paused])) - at_end
+                               merged([*in_flight.values(), paused])) - at_end
         return max(0.0, full_run) / rate + _expected_max(_by_speed(
             (end_speed(speed), n,
              lambda r, d=shift[speed]: _residual_after_queue(mass, mean, r - d))
@@ -150,14 +150,14 @@ def _by_speed(members) -> dict[float, list]:
     return groups
 
 
-def _merged(censored: Iterable[Mapping[int, tuple[int, float]]]) -> dict[int, tuple[int, float]]:
+def merged(censored: Iterable[Mapping[int, tuple[int, float]]]) -> dict[int, tuple[int, float]]:
     """Censored buckets (censored_buckets) of several groups, added up."""
-    merged: dict[int, tuple[int, float]] = {}
+    out: dict[int, tuple[int, float]] = {}
     for groups in censored:
         for bucket, (n, so_far) in groups.items():
-            m, total = merged.get(bucket, (0, 0.0))
-            merged[bucket] = (m + n, total + so_far)
-    return merged
+            m, total = out.get(bucket, (0, 0.0))
+            out[bucket] = (m + n, total + so_far)
+    return out
 
 
 def _residual_after_queue(mass, mean: float, r: float) -> float:

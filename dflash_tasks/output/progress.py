@@ -173,10 +173,8 @@ def read(r: redis.Redis, name: JobName, s: Settings) -> Reads:
     # instant, at the cost of the retries waiting, whatever the broker holds.
     for gpu in gpus:
         multi.named(("in_flight", gpu)).zcard(job.name.inflight(gpu))
-        # when each was sent, for what it has generated so far (the token ETA: eta.py); at the
-        # seed's 300 in flight per GPU, a few KB
-        # (counted in Redis: at 64 GPUs x 300 in flight, every id and score read here cost the
-        # snapshot ten times its own time)
+        # when they were sent and what they held, for what each has generated so far (the token
+        # ETA: eta.py), counted in Redis in strata of age
         IN_FLIGHT_AGES(multi.named(("sent_at", gpu)), inflight=job.name.inflight(gpu),
                        going_on=job.name.going_on, strata=IN_FLIGHT_STRATA)
         multi.named(("waiting", gpu)).zintercard(
@@ -301,8 +299,7 @@ def token_eta(reads: Reads, left: int, s: Settings) -> tuple[float | None, float
     in_flight = {speed: eta.censored_counted(so_far, cap) for speed, so_far in by_speed.items()}
     # every output known to be longer than it is: decoding, or paused between rounds
     paused = eta.censored_counted(reads.paused.items(), cap)
-    censored = eta.censored_counted(
-        [pair for v in by_speed.values() for pair in v] + list(reads.paused.items()), cap)
+    censored = eta.merged([*in_flight.values(), paused])
     mass = eta.length_distribution(finished, censored, cap)
     unsent = max(0, left - sum(reads.in_flight_set.values()) - sum(reads.paused.values()))
     tokens = eta.tokens_left(mass, unsent + sum(waiting.values()), censored)

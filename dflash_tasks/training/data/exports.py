@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from dflash_tasks.core.conversation import reply_rows
-from dflash_tasks.ingest.prompts import question_id
 from dflash_tasks.output.storage import Storage
-from dflash_tasks.training.data.gate import REASONS, Report, Rules, Thresholds, check_row
+from dflash_tasks.training.data.gate import REASONS, HeldOut, Report, Rules, Thresholds, check_row
 from dflash_tasks.training.data.reader import NewestRows, job_storage, manifest_records
 from dflash_tasks.training.data.tokens import (
     ChatTemplate,
@@ -120,12 +119,10 @@ def validate_job(storage: Storage, job: str, rules: Rules, thresholds: Threshold
                  on_batch: Callable[[dict], None] | None = None) -> tuple[Report, list[str]]:
     """The gate over the job's shipped rows (the newest `sample` rows, when given). `heldout`:
     an evaluation's prompts (ingest Prompt), each a failure when it is one of the rows'."""
-    report = Report(rules)
-    questions = {question_id(p.messages): p.id for p in heldout}
+    report = Report(rules, heldout=HeldOut(heldout))
     for item in checked_rows(storage, job, report, template=template, compare_rows=compare_rows,
                              limit=sample, on_batch=on_batch):
-        if questions and (held := questions.get(question_id(item.row.get("conversations") or []))):
-            report.heldout_in_job.append((held, str(item.row.get("id"))))
+        report.heldout.see(item.row)
     return report, thresholds.failures(report)
 
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import Iterable
 
+from dflash_tasks.ingest.prompts import question_id
 from dflash_tasks.ledger.histogram import nearest_rank
 from dflash_tasks.training.data.thinking import ModeCensus
 from dflash_tasks.training.data.tokens import Tokenized, is_truncated, row_thinking
@@ -90,6 +92,24 @@ class Rules:
                 or self.long_rows != "cut":
             return tok
         return tok.cut(self.max_length)
+
+
+class HeldOut:
+    """An evaluation's held-out prompts (ingest Prompts), looked for among a job's rows: the
+    same turns but the assistant's (ingest.prompts.question_id), whatever the ids. The gate of
+    a queued run with [eval] and train-eval --run both refuse what it finds."""
+
+    def __init__(self, prompts: Iterable = ()):
+        self.questions = {question_id(p.messages): p.id for p in prompts}
+        self.found: dict[str, str] = {}  # held-out prompt id -> the first row that has it
+
+    def see(self, row: dict) -> None:
+        if self.questions and (held := self.questions.get(
+                question_id(row.get("conversations") or []))):
+            self.found.setdefault(held, str(row.get("id")))
+
+    def named(self, first: int = 3) -> str:
+        return ", ".join(f"{held} (row {row})" for held, row in list(self.found.items())[:first])
 
 
 @dataclass
@@ -175,8 +195,7 @@ class Report:
     mismatch_examples: list = field(default_factory=list)
     tokenize_errors: list = field(default_factory=list)
     modes: ModeCensus = field(default_factory=ModeCensus)
-    # (held-out prompt id, row id): an evaluation's held-out prompts found among the job's rows
-    heldout_in_job: list = field(default_factory=list)
+    heldout: HeldOut = field(default_factory=HeldOut)  # an evaluation's, found among the rows
 
     def add(self, check: RowCheck, tok: Tokenized | None = None) -> str | None:
         """Count one row; returns its drop reason under the rules (None: kept)."""
@@ -343,11 +362,10 @@ class Thresholds:
                        f"dropped for exceeding the training max length {rules.max_length:,} "
                        f"(limit {100 * self.max_over_length_share:g}%): raise max_length, or "
                        "set long_rows = \"cut\" to train them on their first max_length tokens")
-        if report.heldout_in_job:
-            first = dict(reversed(report.heldout_in_job))  # each prompt with its first row
-            pairs = ", ".join(f"{held} (row {row})" for held, row in list(first.items())[:3])
-            out.append(f"held-out prompts in the training job: {len(first):,} of the [eval] "
-                       f"prompts are prompts of this job ({pairs}): the drafter trains on "
+        if report.heldout.found:
+            out.append(f"held-out prompts in the training job: {len(report.heldout.found):,} of "
+                       f"the [eval] prompts are prompts of this job ({report.heldout.named()}): "
+                       "the drafter trains on "
                        "the target's answers to them, and their tau would measure memorisation; "
                        "hold out others")
         if report.compared and report.prompt_mismatch > self.max_prompt_mismatch_share * report.compared:

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from dflash_tasks.training.data.gate import HeldOut
 from dflash_tasks.training.data.thinking import run_thinking_mode
 from dflash_tasks.training.data.tokens import ChatTemplate, row_thinking
 from dflash_tasks.training.reference.config import EvalConfig
@@ -68,20 +69,16 @@ def check_thinking_contract(rows: Iterable[dict], settings: EvalConfig) -> bool:
 
 
 def refuse_training_prompts(prompts: list, rows: Iterable[dict]) -> None:
-    """EvalError when a held-out prompt is one of the training job's (the same turns but the
-    assistant's: ingest.prompts.question_id), naming the first few and their rows."""
-    from dflash_tasks.ingest.prompts import question_id
-
-    questions = {question_id(p.messages): p.id for p in prompts}
-    found = [(questions[key], str(row.get("id"))) for row in rows
-             if (key := question_id(row.get("conversations") or [])) in questions]
-    if found:
-        first = dict(reversed(found))  # each held-out prompt with the first row that has it
-        pairs = ", ".join(f"{held} (row {row})" for held, row in list(first.items())[:3])
-        raise EvalError(f"{len(first)} of the {len(prompts)} held-out prompts are prompts of "
-                        f"the training job: {pairs}; the drafter was trained on the target's "
-                        "answers to them, so their tau would measure memorisation: hold out "
-                        "others")
+    """EvalError when a held-out prompt is one of the training job's (gate.HeldOut), naming
+    the first few and their rows."""
+    check = HeldOut(prompts)
+    for row in rows:
+        check.see(row)
+    if check.found:
+        raise EvalError(f"{len(check.found)} of the {len(prompts)} held-out prompts are prompts "
+                        f"of the training job: {check.named()}; the drafter was trained on the "
+                        "target's answers to them, so their tau would measure memorisation: "
+                        "hold out others")
 
 
 def load_prompts(settings: EvalConfig) -> list:
