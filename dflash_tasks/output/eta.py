@@ -90,13 +90,16 @@ STEPS = 96  # the time grid of the end's integral
 
 def seconds_left(mass: list[tuple[float, float]], unsent: int,
                  in_flight: Mapping[float, Mapping[int, tuple[int, float]]], rate: float,
-                 waiting: Mapping[float, int] | None = None,
+                 waiting: Mapping[float, Mapping[int, tuple[int, float]]] | None = None,
                  moved_below: float | None = None,
-                 paused: Mapping[int, tuple[int, float]] | None = None) -> float:
+                 paused: Mapping[int, tuple[int, float]] | None = None,
+                 round_tokens: int | None = None) -> float:
     """The expected time until the last output ends. `unsent`: prompts not yet given to a GPU;
     `in_flight`: by GPU speed (output tokens/s of one request, grouped), the outputs decoding
     there (censored_buckets); `waiting`: by GPU speed, the prompts given to those GPUs that wait
-    for a slot there; `rate`: the fleet's output tokens/s.
+    for a slot there (censored_buckets: one starting from nothing at 0 tokens, a generation
+    going on from a round or a move at the tokens it holds); `rate`: the fleet's output
+    tokens/s.
 
     Two phases. While prompts wait to be given, the fleet runs full: their tokens, and all but
     the final stretch of those in flight, go at `rate`. Then the end: each slot finishes the
@@ -107,11 +110,19 @@ def seconds_left(mass: list[tuple[float, float]], unsent: int,
     has P(R > r) = E[(L - r)+] / E[L]. Once the queue is empty, each output in flight has its
     own: P(L - g > r | L > g).
 
-    `moved_below`: the end game's moves (take.lua): an output on a GPU slower than this speed
-    is moved to the fastest GPU once a slot frees there, so its end runs at the fastest speed.
+    `moved_below`: the end game (take.lua) on a GPU slower than this speed: once none is
+    pending, the faster GPUs take its waiting prompts and have the generations it runs moved to
+    them as their slots free, so the others decode what it holds after their own queues, and,
+    once the queue is empty, its outputs end at the fastest speed.
     `paused`: generations waiting in pending to go on from a round (censored_buckets), the rest
-    of their output still to come before the end."""
-    waiting, paused = waiting or {}, paused or {}
+    of their output still to come before the end. `round_tokens`: the end game's rounds
+    (window.round_cap): a request runs at most this much further, and one cut there goes on
+    behind every prompt not yet started, so the requests the slots hold when the queue empties
+    are the generations' last pieces (round_pieces), not whole outputs."""
+    paused = paused or {}
+    waiting = waiting or {}
+    queued = {speed: sum(n for n, _ in groups.values()) for speed, groups in waiting.items()}
+    known = merged([paused, *waiting.values()])  # what each one not decoding holds
     fastest = max(in_flight, default=0.0)
 
     def end_speed(speed: float) -> float:
@@ -121,25 +132,55 @@ def seconds_left(mass: list[tuple[float, float]], unsent: int,
     if not mass or rate <= 0:
         return 0.0
     if not any(slots.values()):  # nothing decoding now (servers stalled, held): no end to model
-        return tokens_left(mass, unsent + sum(waiting.values()), paused) / rate
-    mean = sum(length * p for length, p in mass)
-    # a slot's share of its GPU's waiting prompts, decoded after the output it holds
-    shift = {speed: waiting.get(speed, 0) * mean / n for speed, n in slots.items() if n}
+        return tokens_left(mass, unsent, known) / rate
     if unsent > 0 or paused:
+        # what the slots hold when the queue empties: outputs, or in rounds their last pieces
+        pieces = mass if not round_tokens else round_pieces(mass, round_tokens)
+        mean = sum(length * p for length, p in pieces)
+        residual_mean = sum(length * length * p for length, p in pieces) / (2 * mean) if mean \
+            else 0
+        # The end game leaves a GPU it moves from (moved_below) nothing: its waiting prompts and
+        # the rest of what its slots hold are decoded by the others, after their own queues.
+        kept = {speed: n for speed, n in slots.items()
+                if n and (moved_below is None or speed >= moved_below)}
+        handed = sum(queued.get(speed, 0) * mean + n * residual_mean
+                     for speed, n in slots.items() if speed not in kept)
+        capacity = sum(speed * n for speed, n in kept.items())
+        # a slot's share of its GPU's waiting prompts, decoded after the piece it holds, and of
+        # the work handed on from the GPUs moved from
+        shift = {speed: queued.get(speed, 0) * mean / n + handed * speed / capacity
+                 for speed, n in kept.items()}
         # tokens the end will spend: each slot's mean residual, E[L^2] / 2E[L], and the
         # prompts waiting for a slot on their GPU
-        residual_mean = sum(length * length * p for length, p in mass) / (2 * mean) if mean else 0
-        at_end = sum(slots.values()) * residual_mean + sum(waiting.values()) * mean
-        full_run = tokens_left(mass, unsent + sum(waiting.values()),
-                               merged([*in_flight.values(), paused])) - at_end
+        at_end = sum(slots.values()) * residual_mean + sum(queued.values()) * mean
+        full_run = tokens_left(mass, unsent, merged([*in_flight.values(), known])) - at_end
         return max(0.0, full_run) / rate + _expected_max(_by_speed(
-            (end_speed(speed), n,
-             lambda r, d=shift[speed]: _residual_after_queue(mass, mean, r - d))
-            for speed, n in slots.items() if n))
+            (speed, n, lambda r, d=shift[speed]: _residual_after_queue(pieces, mean, r - d))
+            for speed, n in kept.items()))
+    mean = sum(length * p for length, p in mass)
+    shift = {speed: queued.get(speed, 0) * mean / n for speed, n in slots.items() if n}
     return _expected_max(_by_speed(
         (end_speed(speed), n, lambda r, edge=bucket, g=so_far / n, d=shift.get(speed, 0):
          _residual_given(mass, edge, g, r - d))
         for speed, groups in in_flight.items() for bucket, (n, so_far) in groups.items()))
+
+
+def round_pieces(mass: list[tuple[float, float]], round_tokens: int) -> list[tuple[float, float]]:
+    """The requests that end a run in rounds, as a distribution [(length, probability)]: an
+    output longer than a round is cut into rounds and each cut goes on behind the prompts not
+    started, so what runs last are the pieces after the first, at most a round each. Outputs no
+    longer than a round (none cut) end it whole."""
+    pieces: dict[float, float] = {}
+    for length, p in mass:
+        done = round_tokens
+        while length > done:
+            piece = min(length - done, round_tokens)
+            pieces[piece] = pieces.get(piece, 0.0) + p
+            done += round_tokens
+    if not pieces:
+        return mass
+    weight = sum(pieces.values())
+    return sorted((length, p / weight) for length, p in pieces.items())
 
 
 def _by_speed(members) -> dict[float, list]:

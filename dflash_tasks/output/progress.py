@@ -262,9 +262,11 @@ def token_eta(reads: Reads, left: int, s: Settings) -> tuple[float | None, float
     """(hours, output tokens) left, from tokens (eta.py). The job's length distribution so far,
     the prompts not yet decoding (not sent, or waiting in a server's queue: beyond the requests
     its /metrics says run), and those decoding, each with what it has generated (what it held
-    when sent, a generation going on from a round or a move, plus its time since then × its
-    GPU's decode speed per request: the server's generation throughput over its running
-    requests, else the job's measured speed there). The fleet's rate is what it
+    when sent, a generation going on from a round or a move, plus its time decoding, since
+    then less its GPU's wait for a slot (_queue_wait), × its GPU's decode speed per request:
+    the server's generation throughput over its running requests, else the job's measured
+    speed there); one waiting with a round's or a move's tokens is longer than those. The
+    end game's rounds are the deployment's (endgame_round_tokens). The fleet's rate is what it
     generates now, each GPU's speed × its requests decoding: the output tokens of the requests
     that ended in the window lag it by a request's length, most at the start, when only the
     short ones have ended. A job of conversations counts replies (eta_by_requests). (None,
@@ -278,8 +280,8 @@ def token_eta(reads: Reads, left: int, s: Settings) -> tuple[float | None, float
     if not finished or not known:
         return None, None
     cap = reads.job.params.max_tokens
-    by_speed: dict[float, list[float]] = {}
-    waiting: dict[float, int] = {}
+    by_speed: dict[float, list[tuple[float, int]]] = {}
+    waiting: dict[float, list[tuple[float, int]]] = {}  # by speed, (tokens held, how many)
     for gpu in reads.gpus:
         server = reads.servers.get(gpu) or {}
         running, generating = server.get("running"), server.get("gen_throughput")
@@ -289,28 +291,52 @@ def token_eta(reads: Reads, left: int, s: Settings) -> tuple[float | None, float
         slots = None if running is None else int(running)
         speed_class = _speed_class(speed)
         decoding = by_speed.setdefault(speed_class, [])
+        queued = waiting.setdefault(speed_class, [])
+        queued_for = _queue_wait(reads.sent_at[gpu], slots, reads.now)
         for at, held, count in reads.sent_at[gpu]:
             taken = count if slots is None else min(count, slots)
             if taken:
-                decoding.append((min(cap, held + max(0.0, reads.now - at) * speed), taken))
-            waiting[speed_class] = waiting.get(speed_class, 0) + count - taken
+                decoding.append((min(cap, held + max(0.0, reads.now - at - queued_for) * speed),
+                                 taken))
+            if count > taken:
+                queued.append((held, count - taken))
             if slots is not None:
                 slots -= taken
     in_flight = {speed: eta.censored_counted(so_far, cap) for speed, so_far in by_speed.items()}
-    # every output known to be longer than it is: decoding, or paused between rounds
+    queued_at = {speed: eta.censored_counted(held, cap) for speed, held in waiting.items()}
+    # every output known to be longer than it is: decoding, paused between rounds, or waiting
+    # for a slot with the tokens of its earlier rounds (one waiting from nothing tells nothing)
     paused = eta.censored_counted(reads.paused.items(), cap)
-    censored = eta.merged([*in_flight.values(), paused])
-    mass = eta.length_distribution(finished, censored, cap)
+    holding = eta.censored_counted(((held, n) for by_held in waiting.values()
+                                    for held, n in by_held if held), cap)
+    mass = eta.length_distribution(finished, eta.merged([*in_flight.values(), paused, holding]),
+                                   cap)
     unsent = max(0, left - sum(reads.in_flight_set.values()) - sum(reads.paused.values()))
-    tokens = eta.tokens_left(mass, unsent + sum(waiting.values()), censored)
+    tokens = eta.tokens_left(mass, unsent, eta.merged([*in_flight.values(), paused,
+                                                       *queued_at.values()]))
     rate = sum(speed * sum(n for _, n in so_far) for speed, so_far in by_speed.items()) \
         or per_second(reads, "t")
     if rate <= 0:
         return None, tokens
     # The end game moves a generation from a GPU measurably slower than the fastest (take.lua).
     moved_below = max(in_flight) / s.endgame_faster_ratio
-    return round(eta.seconds_left(mass, unsent, in_flight, rate, waiting, moved_below,
-                                  paused) / 3600, 5), tokens
+    return round(eta.seconds_left(mass, unsent, in_flight, rate, queued_at, moved_below, paused,
+                                  s.endgame_round_tokens or None) / 3600, 5), tokens
+
+
+def _queue_wait(sent_at: list[tuple[float, int, int]], slots: int | None, now: float) -> float:
+    """How long a prompt waits for a slot on its GPU (0 with none waiting): the age of the
+    oldest one still waiting, the next a slot takes (a GPU's server takes its queue in the order
+    it was sent). A prompt decoding has generated for its age less that wait: the seconds it
+    waited are no tokens, and counted as tokens (at 35 waiting for 40 slots, a second of a
+    compressed run, 1,500) they made the outputs in flight look as long as the cap."""
+    if slots is None:
+        return 0.0
+    for at, _, count in sent_at:
+        if count > slots:
+            return max(0.0, now - at)
+        slots -= count
+    return 0.0
 
 
 def _speed_class(speed: float) -> float:
