@@ -510,13 +510,19 @@ def _seed_measured(res: dict) -> list[str]:
     if c18 := res.get("case18"):
         out += [
             f"- **Case 18.** {c18['prompts']:,} prompts of the seed's lengths at a cap of 4,096"
-            f" ({c18['truncated_pct']:g}% cut), {c18['servers']} simulated servers of 40 slots,"
-            f" one {max(c18['slow']):g}x slower, run in {c18['run_s']:.0f} s; progress.json (beat,"
+            f" ({c18['truncated_pct']:g}% cut), {c18['servers']} simulated servers of 40 slots"
+            f" decoding {c18.get('decode_tps', 1500):,.0f} tokens/s each, one"
+            f" {max(c18['slow']):g}x slower, run in {c18['run_s']:.0f} s; progress.json (beat,"
             " every 5 s) read every 2 s, each reading's ETA against the time from it to the last"
             " row (its metadata's completed_at, to the millisecond). Judged from 10% of the run"
-            " on, while 3.6 s or more were left (the last 3% of a run that is the seed's hours"
-            " in two minutes: there what is left is the last few requests, whose lengths no"
-            " estimate knows; eta_hours' five decimals, 0.036 s, weigh 1% at 3.6 s):"
+            " on, while 3.6 s or more were left (the last"
+            f" {3.6 / c18['run_s']:.1%} of the run: there what is left is the last few requests,"
+            " whose lengths no estimate knows; eta_hours' five decimals, 0.036 s, weigh 1% at"
+            f" 3.6 s). A slot decodes {c18.get('decode_tps', 1500) / 100:g} times as fast as a real"
+            " one (about 100 tokens/s), not 15 as in cases 1-3: at 15, the end game's continuations (a prompt and the 2,048 tokens of its"
+            " first round sent and answered again every 1.4 s a slot) keep this machine's two"
+            " cores busy in the run's last seconds and its servers wait for requests, which no"
+            " ETA of the fleet can know (benchmarks/eta_run.py):"
             " token ETA (`eta_hours`, dflash_tasks/output/eta.py)"
             f" median error {_pct_or_none(c18['eta_median_error'])}, largest"
             f" {_pct_or_none(c18['eta_max_error'])}; the request-rate formula"
@@ -726,12 +732,10 @@ def _gaps(res: dict) -> list[str]:
             " (goal ≤ 10%).**"
             + (f" It was {worst['eta_s']:.1f} s for {worst['left_s']:.1f} s left, with"
                f" {worst['completed']:,} of {c18['prompts']:,} rows done." if worst else "")
-            + " The replay of tests/test_eta.py, a fleet with none of the deployment's own"
-            " costs, holds within 10%; what this run adds and the ETA models only in part is"
-            " the end game (its moves to the fastest GPU, and the generations paused between"
-            " rounds with the tokens they hold), which decides its last seconds, and the time"
-            " between a slot freeing and its next request (tens of milliseconds, against"
-            " requests of about a second in this compressed run).")
+            + " The replay of tests/test_eta.py, the deployed end game with none of the"
+            " deployment's own costs, holds within 10%; the ETA takes the servers at what they"
+            " decode now, and what this machine's CPU leaves idle in the run's last seconds"
+            " (its servers waiting for requests) it does not know.")
     c6 = res.get("case6")
     if c6 and (c6["ids_doubled"] or c6["ids_missing"] or c6["ids_unknown"]
                or c6["memory_peak_during"] - c6["memory_before"] > c6["batch_rows"] * c6["mean_row_bytes"]):
