@@ -179,3 +179,27 @@ def test_with_nothing_decoding_the_time_left_is_its_tokens_at_the_rate():
     held = eta.seconds_left(mass, 80, idle, 1000.0,
                             waiting={SPEED: eta.censored_buckets([0.0] * 20, CAP)})
     assert held == pytest.approx(eta.tokens_left(mass, 100, {}) / 1000.0) and held > 100
+
+
+
+def test_a_slower_gpus_work_goes_to_the_faster_gpus_that_decode():
+    """The end game hands a slower GPU's queue and what its slots hold to the faster GPUs: the
+    time left grows with that work, spread over their slots; and a GPU that decodes nothing (its
+    server stalled) is neither the fastest the others are judged against nor given any."""
+    s = Settings()
+    finished = {1024: 50, 2048: 50}
+    slow_running = {k: (k, 0, 0.0, 0.0, CAP, k) for k in range(SLOTS)}
+    fast_running = {k: (k, 0, 0.0, 0.0, CAP, k) for k in range(SLOTS)}
+    slow_queue = deque((SLOTS + k, 0, 5.0) for k in range(QUEUED))
+
+    def left(speeds, running, local):
+        names = [f"gpu{g}@t" for g in range(len(speeds))]
+        reads = _reads(10.0, names, speeds, running, local, deque([(0, 0)] * 10), finished, 100)
+        return progress.token_eta(reads, 10 + sum(map(len, running)) + sum(map(len, local)), s)[0]
+
+    fast_alone = left([SPEED], [fast_running], [deque()])
+    with_slow = left([SPEED, SPEED / 2], [fast_running, slow_running], [deque(), slow_queue])
+    assert with_slow > fast_alone
+    stalled = left([SPEED, SPEED / 2, 2 * SPEED], [fast_running, slow_running, {}],
+                   [deque(), slow_queue, deque()])
+    assert stalled == pytest.approx(with_slow)

@@ -123,12 +123,12 @@ def seconds_left(mass: list[tuple[float, float]], unsent: int,
     waiting = waiting or {}
     queued = {speed: sum(n for n, _ in groups.values()) for speed, groups in waiting.items()}
     known = merged([paused, *waiting.values()])  # what each one not decoding holds
-    fastest = max(in_flight, default=0.0)
+    slots = {speed: sum(n for n, _ in groups.values()) for speed, groups in in_flight.items()}
+    fastest = max((speed for speed, n in slots.items() if n), default=0.0)
 
     def end_speed(speed: float) -> float:
         return fastest if moved_below is not None and speed < moved_below else speed
 
-    slots = {speed: sum(n for n, _ in groups.values()) for speed, groups in in_flight.items()}
     if not mass or rate <= 0:
         return 0.0
     if not any(slots.values()):  # nothing decoding now (servers stalled, held): no end to model

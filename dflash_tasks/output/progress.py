@@ -318,8 +318,10 @@ def token_eta(reads: Reads, left: int, s: Settings) -> tuple[float | None, float
         or per_second(reads, "t")
     if rate <= 0:
         return None, tokens
-    # The end game moves a generation from a GPU measurably slower than the fastest (take.lua).
-    moved_below = max(in_flight) / s.endgame_faster_ratio
+    # The end game moves a generation from a GPU measurably slower than the fastest decoding
+    # (take.lua; a GPU that decodes nothing, its server stalled or its breaker open, takes none).
+    moved_below = max((speed for speed, groups in in_flight.items() if groups),
+                      default=0.0) / s.endgame_faster_ratio
     return round(eta.seconds_left(mass, unsent, in_flight, rate, queued_at, moved_below, paused,
                                   s.endgame_round_tokens or None) / 3600, 5), tokens
 
