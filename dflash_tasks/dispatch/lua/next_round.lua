@@ -17,7 +17,8 @@
 --- uses: going_on
 -- inflight: the GPU's the round ran on; tokens: what that round generated there (counted in
 -- the job's and the GPU's rates now, when it was made); started_from: the SHA-1 of the entry the
--- round's task read; held: the tokens the generation has now (0, a reply starting, drops it). Returns 1 when it went back to pending, 0 otherwise.
+-- round's task read; held: the tokens the generation has now (0, a reply starting, drops it).
+-- Returns 1 when it went back to pending, 0 otherwise.
 if redis.call('EXISTS', config) == 0 then
   return 0
 end

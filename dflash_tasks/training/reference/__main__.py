@@ -31,12 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     ranks = join()
-    def say(line: str) -> None:  # rank 0 speaks for the run
-        if ranks.main:
-            print(line, flush=True)
-
-    try:
-        result = train(config, job=args.job, source=args.source, run_dir=args.run_dir, log=say)
+    try:  # the trainer's lines are rank 0's alone
+        result = train(config, job=args.job, source=args.source, run_dir=args.run_dir,
+                       log=lambda line: print(line, flush=True))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -122,9 +122,11 @@ class _Run:
     def __init__(self, config: TrainConfig, run_dir: Path, say: Callable[[str], None],
                  on_metrics: Callable[[dict], None] | None,
                  on_checkpoint: Callable[[Path, nn.Module], None] | None = None):
-        self.config, self.run_dir, self.say, self.on_metrics = config, run_dir, say, on_metrics
-        self.on_checkpoint = on_checkpoint
         self.ranks = join()
+        # rank 0 speaks for the run: with several processes the others' lines would repeat it
+        self.say = say if self.ranks.main else (lambda _line: None)
+        self.config, self.run_dir, self.on_metrics = config, run_dir, on_metrics
+        self.on_checkpoint = on_checkpoint
         self.device = pick_device(device_for(self.ranks, config.device))
         self.target = load_target(config.target_model, dtype=DTYPES[config.dtype],
                                   device=self.device)
@@ -308,8 +310,7 @@ def train(config: TrainConfig, *, job: str, source: str | Path | Storage, run_di
                 if dataset.stats["yielded"] == 0:
                     raise RuntimeError(f"job {job}: no row passed the rules in epoch "
                                        f"{progress.epoch} ({dict(dataset.stats)})")
-                if run.ranks.main:
-                    run.say(f"epoch {progress.epoch} done: {dict(dataset.stats)}")
+                run.say(f"epoch {progress.epoch} done: {dict(dataset.stats)}")
                 progress.epoch += 1
                 progress.epoch_samples = 0
         except FollowStopped:  # stopped while the followed job had no new batch
